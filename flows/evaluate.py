@@ -1,0 +1,21 @@
+"""The evaluation flow: held-out accuracy of one checkpoint of a run."""
+
+from __future__ import annotations
+
+from prefect import flow
+
+from tasks import stages
+
+
+@flow(name="sdpo-eval", log_prints=False)
+def sdpo_eval(config_path: str, overrides: list[str] | None = None, iteration: int = -1) -> dict[str, float]:
+    """Evaluate checkpoint `iteration` of the configured run (-1 = LATEST)."""
+    from storage.layout import RunLayout
+    from storage.manifest import read_latest
+    from tasks.config import load_config
+
+    cfg = load_config(config_path, overrides or [])
+    opts = dict(cfg.storage.storage_options)
+    layout = RunLayout(cfg.storage.root, cfg.name, storage_options=opts or None)
+    n = (read_latest(layout) or 0) if iteration < 0 else iteration
+    return stages.evaluate(cfg.storage.root, cfg.name, n, opts)

@@ -1,0 +1,49 @@
+"""Run storage: the only code that knows paths and formats (fsspec URLs, Parquet shards, manifests)."""
+
+from storage.checkpoints import (
+    LineageRecord,
+    checkpoint_done,
+    download_checkpoint,
+    format_lineage,
+    lineage,
+    read_checkpoint_manifest,
+    resolve_checkpoint,
+    upload_checkpoint,
+)
+from storage.errors import (
+    AlreadyCommittedError,
+    ChecksumMismatchError,
+    ConfigMismatchError,
+    LockHeldError,
+    NotCommittedError,
+    PreconditionFailedError,
+    SchemaVersionError,
+    ShardInvariantError,
+    StorageError,
+)
+from storage.layout import RunLayout, config_hash, create_or_open_run, read_run
+from storage.lock import LockHolder, RunLock, read_lock_holder
+from storage.manifest import (
+    Manifest,
+    commit_iteration,
+    iteration_done,
+    read_iteration_manifest,
+    read_latest,
+    read_stage_manifest,
+    stage_done,
+)
+from storage.retry import RetryPolicy
+from storage.schemas import ROLLOUT, TEACHER, ShardSchema
+from storage.shards import Ragged, ShardWriter, ragged, read_batches, read_table, topk
+from storage.stages import StageOutput, read_stage_file
+
+__all__ = [
+    "ROLLOUT", "TEACHER", "AlreadyCommittedError", "ChecksumMismatchError", "ConfigMismatchError", "LineageRecord",
+    "LockHeldError", "LockHolder", "Manifest", "NotCommittedError", "PreconditionFailedError", "Ragged",
+    "RetryPolicy", "RunLayout", "RunLock", "SchemaVersionError", "ShardInvariantError", "ShardSchema",
+    "ShardWriter", "StageOutput", "StorageError", "checkpoint_done", "commit_iteration", "config_hash",
+    "create_or_open_run", "download_checkpoint", "format_lineage", "iteration_done", "lineage", "ragged",
+    "read_batches", "read_checkpoint_manifest", "read_iteration_manifest", "read_latest", "read_lock_holder",
+    "read_run", "read_stage_file", "read_stage_manifest", "read_table", "resolve_checkpoint", "stage_done",
+    "topk", "upload_checkpoint",
+]

@@ -1,0 +1,269 @@
+"""Checkpoints: upload a local folder with a manifest, download it into a digest-keyed cache, lineage.
+
+`checkpoints/iter-<n>/<kind>/` holds the weights iteration n's train stage produced (kind: policy or
+teacher), any folder shape (HF safetensors, Megatron distributed checkpoint with sub-directories).
+The manifest digest identifies the checkpoint; the local cache is `<cache_dir>/<digest>/`, reused
+when present and verified. Each manifest names its parent checkpoint (or an external base model)
+and the stage manifests it was trained on, which `lineage` follows.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from storage.errors import AlreadyCommittedError, ChecksumMismatchError, NotCommittedError
+from storage.layout import CHECKPOINT_KINDS, MANIFEST_NAME, RunLayout, parse_iteration_name
+from storage.manifest import (
+    Manifest,
+    base_fields,
+    iteration_done,
+    read_iteration_manifest,
+    read_latest,
+    read_manifest,
+    verify_ref,
+    write_manifest,
+)
+from storage.objects import sha256_local_file
+from storage.urls import join
+
+logger = logging.getLogger(__name__)
+
+
+def checkpoint_done(layout: RunLayout, n: int, kind: str) -> bool:
+    return layout.store.exists(layout.checkpoint_manifest(n, kind))
+
+
+def read_checkpoint_manifest(layout: RunLayout, n: int, kind: str) -> Manifest:
+    return read_manifest(layout, layout.checkpoint_manifest(n, kind))
+
+
+def _ref(item: Manifest | Mapping[str, str]) -> dict[str, str]:
+    return item.ref if isinstance(item, Manifest) else dict(item)
+
+
+def upload_checkpoint(
+    local_dir: str | os.PathLike[str],
+    layout: RunLayout,
+    n: int,
+    kind: str,
+    *,
+    parent: Manifest | str | None,
+    trained_on: Sequence[Manifest | Mapping[str, str]] = (),
+    metadata: Mapping[str, Any] | None = None,
+) -> Manifest:
+    """Upload every file under `local_dir` (recursively) as checkpoint `kind` of iteration n.
+
+    `parent`: the checkpoint these weights were trained from (its manifest), an external reference
+    such as a base model name (str), or None. `trained_on`: the stage manifests of the training data.
+    Refuses a committed checkpoint; clears a partial upload (files without manifest) first.
+    """
+    source = Path(local_dir)
+    if not source.is_dir():
+        raise NotADirectoryError(f"checkpoint folder {source} does not exist")
+    if checkpoint_done(layout, n, kind):
+        raise AlreadyCommittedError(
+            f"checkpoint {kind} of iteration {n} is committed ({layout.checkpoint_manifest(n, kind)}); never overwritten"
+        )
+    target = layout.checkpoint_dir(n, kind)
+    if leftovers := layout.store.list_files(target):
+        logger.warning("checkpoint %s of iteration %d: clearing %d file(s) of a partial upload", kind, n, len(leftovers))
+        layout.store.remove_tree(target)
+    files = sorted(p for p in source.rglob("*") if p.is_file())
+    if not files:
+        raise ValueError(f"checkpoint folder {source} holds no files")
+    parent_ref: dict[str, str] | None
+    if isinstance(parent, str):
+        parent_ref = {"external": parent}
+    else:
+        parent_ref = None if parent is None else verify_ref(layout, parent.ref).ref
+    trained_refs = [verify_ref(layout, _ref(m)).ref for m in trained_on]
+
+    started = time.monotonic()
+    entries = []
+    for path in files:
+        name = path.relative_to(source).as_posix()
+        url = join(layout.checkpoint_files_dir(n, kind), name)
+        digest = sha256_local_file(path)
+        layout.store.put_local_file(path, url)
+        entries.append({"name": name, "path": layout.relative(url), "bytes": path.stat().st_size, "sha256": digest})
+    data = {
+        **base_fields(layout, "checkpoint"),
+        "iteration": n,
+        "checkpoint": kind,
+        "files": entries,
+        "bytes": sum(e["bytes"] for e in entries),
+        "parent": parent_ref,
+        "trained_on": trained_refs,
+        "metadata": dict(metadata or {}),
+        "timings": {"upload_s": round(time.monotonic() - started, 3)},
+    }
+    manifest = write_manifest(layout, layout.checkpoint_manifest(n, kind), data)
+    logger.info("uploaded checkpoint %s of iteration %d: %d files, %d bytes (%s)",
+                kind, n, len(entries), data["bytes"], manifest.sha256[:12])
+    return manifest
+
+
+def resolve_checkpoint(layout: RunLayout, ref: str | int, kind: str = "policy") -> Manifest:
+    """The checkpoint manifest for `ref`: "latest" (of the last committed iteration), "iter-N" or N."""
+    if isinstance(ref, int):
+        n = ref
+    elif ref == "latest":
+        latest = read_latest(layout)
+        if latest is None:
+            raise NotCommittedError(f"run {layout.run_name!r} has no committed iteration, so no latest checkpoint")
+        n = latest
+    else:
+        n = parse_iteration_name(ref)
+    return read_checkpoint_manifest(layout, n, kind)
+
+
+def _local_copy_problem(folder: Path, manifest: Manifest, *, verify: bool) -> str | None:
+    expected = {e["name"]: e for e in manifest.data["files"]}
+    present = {p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()}
+    if present != set(expected):
+        return f"files differ: missing {sorted(set(expected) - present)[:3]}, extra {sorted(present - set(expected))[:3]}"
+    for name, entry in expected.items():
+        path = folder / name
+        if path.stat().st_size != entry["bytes"]:
+            return f"{name} has {path.stat().st_size} bytes, manifest says {entry['bytes']}"
+        if verify and sha256_local_file(path) != entry["sha256"]:
+            return f"{name} sha256 differs from the manifest"
+    return None
+
+
+def download_checkpoint(
+    layout: RunLayout,
+    ref: str | int,
+    kind: str = "policy",
+    *,
+    cache_dir: str | os.PathLike[str],
+    verify: bool = True,
+) -> Path:
+    """Local folder holding checkpoint `ref`: `<cache_dir>/<manifest digest>/`, downloaded if needed.
+
+    A cached copy is reused after checking it against the manifest (sha256 when `verify`); a damaged
+    one is downloaded again. Downloads land in a temp folder renamed into place when complete.
+    """
+    manifest = resolve_checkpoint(layout, ref, kind)
+    cache = Path(cache_dir)
+    target = cache / manifest.sha256
+    if target.is_dir():
+        problem = _local_copy_problem(target, manifest, verify=verify)
+        if problem is None:
+            logger.info("checkpoint %s %s: using cached %s", kind, ref, target)
+            return target
+        logger.warning("cached checkpoint %s is damaged (%s); downloading again", target, problem)
+        shutil.rmtree(target)
+    tmp = cache / f".{manifest.sha256}.tmp-{uuid.uuid4().hex}"
+    try:
+        for entry in manifest.data["files"]:
+            url = layout.url(entry["path"])
+            local = tmp / entry["name"]
+            layout.store.get_to_local(url, local)
+            if verify and (actual := sha256_local_file(local)) != entry["sha256"]:
+                raise ChecksumMismatchError(url, expected=entry["sha256"], actual=actual)
+        try:
+            os.rename(tmp, target)
+        except OSError:  # another process finished the same download first
+            if not target.is_dir():
+                raise
+            logger.info("checkpoint %s appeared in the cache meanwhile; using it", target)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+    return target
+
+
+# -- lineage ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class LineageRecord:
+    iteration: int
+    kind: str
+    sha256: str
+    parent: str | None  # "iter-2/policy@<digest12>", an external reference, or None
+    parent_ok: bool | None  # the parent manifest still has the recorded digest; None when nothing to check
+    trained_on: tuple[str, ...]  # "iter-3/teacher@<digest12>"
+    committed: bool  # iteration n is committed and its manifest names this checkpoint
+    bytes: int
+    created_at: str
+
+
+def _describe(ref: Mapping[str, str]) -> str:
+    path = ref["path"].removeprefix("checkpoints/").removesuffix("/" + MANIFEST_NAME)
+    return f"{path}@{ref['sha256'][:12]}"
+
+
+def lineage(layout: RunLayout) -> list[LineageRecord]:
+    """Every committed checkpoint of the run, oldest first, with its parent and training data."""
+    records = []
+    for n in layout.checkpoint_iterations():
+        committed_refs = read_iteration_manifest(layout, n).data["checkpoints"] if iteration_done(layout, n) else {}
+        for kind in CHECKPOINT_KINDS:
+            if not checkpoint_done(layout, n, kind):
+                continue
+            manifest = read_checkpoint_manifest(layout, n, kind)
+            parent = manifest.data["parent"]
+            parent_text: str | None = None
+            parent_ok: bool | None = None
+            if parent is not None and "external" in parent:
+                parent_text = parent["external"]
+            elif parent is not None:
+                parent_text = _describe(parent)
+                url = layout.url(parent["path"])
+                parent_ok = layout.store.exists(url) and read_manifest(layout, url).sha256 == parent["sha256"]
+            records.append(
+                LineageRecord(
+                    iteration=n,
+                    kind=kind,
+                    sha256=manifest.sha256,
+                    parent=parent_text,
+                    parent_ok=parent_ok,
+                    trained_on=tuple(_describe(r) for r in manifest.data["trained_on"]),
+                    committed=kind in committed_refs and committed_refs[kind]["sha256"] == manifest.sha256,
+                    bytes=manifest.data["bytes"],
+                    created_at=manifest.data["created_at"],
+                )
+            )
+    return records
+
+
+def _size(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")
+
+
+def format_lineage(records: Sequence[LineageRecord], *, title: str | None = None) -> str:
+    """A table of `lineage(...)` for `sdpo lineage <run>`."""
+    header = ("iter", "kind", "checkpoint", "parent", "parent ok", "trained on", "committed", "size", "created")
+    rows = [
+        (
+            str(r.iteration),
+            r.kind,
+            r.sha256[:12],
+            r.parent or "-",
+            {True: "yes", False: "NO", None: "-"}[r.parent_ok],
+            ", ".join(r.trained_on) or "-",
+            "yes" if r.committed else "no",
+            _size(r.bytes),
+            r.created_at,
+        )
+        for r in records
+    ]
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    lines = [title] if title else []
+    lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in [header, *rows]]
+    if not rows:
+        lines.append("(no committed checkpoints)")
+    return "\n".join(lines)

@@ -1,0 +1,45 @@
+"""Exceptions raised by `storage`: each names the object and the values that disagree."""
+
+from __future__ import annotations
+
+
+class StorageError(Exception):
+    """Base class for every failure `storage` raises on purpose."""
+
+
+class AlreadyCommittedError(StorageError):
+    """A committed output (manifest present) would be overwritten."""
+
+
+class NotCommittedError(StorageError):
+    """An output is read but has no manifest, so it does not exist."""
+
+
+class ChecksumMismatchError(StorageError):
+    """A file's sha256 differs from the digest its manifest recorded."""
+
+    def __init__(self, url: str, *, expected: str, actual: str) -> None:
+        super().__init__(f"sha256 mismatch for {url}: manifest says {expected}, file has {actual}")
+        self.url = url
+        self.expected = expected
+        self.actual = actual
+
+
+class SchemaVersionError(StorageError):
+    """A shard was written with another schema (name or version) than this code reads."""
+
+
+class ShardInvariantError(StorageError):
+    """Rows handed to a shard writer break a documented column invariant."""
+
+
+class ConfigMismatchError(StorageError):
+    """A run is opened with a config that differs from the one it was created with."""
+
+
+class LockHeldError(StorageError):
+    """Another writer holds the run lock."""
+
+
+class PreconditionFailedError(StorageError):
+    """A conditional replace or delete found the object changed since it was read."""

@@ -1,0 +1,189 @@
+"""Manifests: an output exists only once its manifest does, and a manifest is never overwritten.
+
+A manifest is a JSON object written LAST with an exclusive create (`ObjectStore.create_exclusive`).
+Its sha256 (of the stored bytes) is its identity: children name their parents by path and digest.
+Committing an iteration writes the iteration manifest, then replaces `LATEST`.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import json
+import logging
+import math
+import subprocess
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from storage.errors import AlreadyCommittedError, ChecksumMismatchError, NotCommittedError
+from storage.layout import RunLayout, read_run, utc_now
+from storage.objects import sha256_bytes
+
+logger = logging.getLogger(__name__)
+
+MANIFEST_VERSION = 1
+ITERATION_STAGES = ("rollout", "teacher", "train")
+_PACKAGE = "sdpo-pipeline"
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A manifest as read from (or written to) the store: its run-relative path, digest and content."""
+
+    path: str
+    sha256: str
+    data: dict[str, Any]
+
+    @property
+    def ref(self) -> dict[str, str]:
+        """How a child manifest names this one."""
+        return {"path": self.path, "sha256": self.sha256}
+
+
+@functools.cache
+def code_version() -> str:
+    """`git describe` of the source tree when it is a git checkout with commits, else the package version."""
+    source = Path(__file__).resolve().parent.parent
+    result = subprocess.run(
+        ["git", "-C", str(source), "describe", "--always", "--dirty", "--tags"],
+        capture_output=True, text=True, check=False,
+    )
+    if result.returncode == 0 and result.stdout.strip():
+        return f"git:{result.stdout.strip()}"
+    return f"{_PACKAGE}=={importlib.metadata.version(_PACKAGE)}"
+
+
+def plain_metrics(metrics: Mapping[str, Any]) -> dict[str, Any]:
+    """JSON-ready metrics: numpy scalars unwrapped; NaN/inf refused (a manifest must be valid JSON)."""
+    out: dict[str, Any] = {}
+    for key, value in metrics.items():
+        if isinstance(value, np.generic):
+            value = value.item()
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"metric {key!r} is {value}; manifests hold finite numbers only")
+        if value is not None and not isinstance(value, str | int | float | bool):
+            raise TypeError(f"metric {key!r} has type {type(value).__name__}; use numbers or strings")
+        out[key] = value
+    return out
+
+
+def _encode(data: Mapping[str, Any]) -> bytes:
+    return (json.dumps(data, indent=1, sort_keys=True, allow_nan=False) + "\n").encode()
+
+
+def write_manifest(layout: RunLayout, url: str, data: Mapping[str, Any]) -> Manifest:
+    """Create the manifest at `url`; AlreadyCommittedError if one exists (never overwritten)."""
+    payload = _encode(data)
+    try:
+        layout.store.create_exclusive(url, payload)
+    except FileExistsError as exc:
+        raise AlreadyCommittedError(f"{url} already exists: committed outputs are never overwritten") from exc
+    return Manifest(path=layout.relative(url), sha256=sha256_bytes(payload), data=json.loads(payload))
+
+
+def read_manifest(layout: RunLayout, url: str) -> Manifest:
+    """The manifest at `url`; NotCommittedError when there is none."""
+    if not layout.store.exists(url):
+        raise NotCommittedError(f"no manifest at {url}: the output is not committed")
+    payload = layout.store.read_bytes(url)
+    return Manifest(path=layout.relative(url), sha256=sha256_bytes(payload), data=json.loads(payload))
+
+
+def verify_ref(layout: RunLayout, ref: Mapping[str, str]) -> Manifest:
+    """Read the manifest a child names and check it still has the digest the child recorded."""
+    manifest = read_manifest(layout, layout.url(ref["path"]))
+    if manifest.sha256 != ref["sha256"]:
+        raise ChecksumMismatchError(layout.url(ref["path"]), expected=ref["sha256"], actual=manifest.sha256)
+    return manifest
+
+
+def base_fields(layout: RunLayout, kind: str) -> dict[str, Any]:
+    """Fields every manifest carries."""
+    return {
+        "kind": kind,
+        "manifest_version": MANIFEST_VERSION,
+        "run": layout.run_name,
+        "config_hash": read_run(layout)["config_hash"],
+        "code_version": code_version(),
+        "created_at": utc_now(),
+    }
+
+
+# -- stages ---------------------------------------------------------------------------------
+def stage_done(layout: RunLayout, n: int, stage: str) -> bool:
+    return layout.store.exists(layout.stage_manifest(n, stage))
+
+
+def read_stage_manifest(layout: RunLayout, n: int, stage: str) -> Manifest:
+    return read_manifest(layout, layout.stage_manifest(n, stage))
+
+
+# -- iterations -----------------------------------------------------------------------------
+def read_latest(layout: RunLayout) -> int | None:
+    """The last committed iteration, or None when none is."""
+    if not layout.store.exists(layout.latest):
+        return None
+    return int(json.loads(layout.store.read_bytes(layout.latest))["iteration"])
+
+
+def iteration_done(layout: RunLayout, n: int) -> bool:
+    return layout.store.exists(layout.iteration_manifest(n))
+
+
+def read_iteration_manifest(layout: RunLayout, n: int) -> Manifest:
+    return read_manifest(layout, layout.iteration_manifest(n))
+
+
+def _move_latest(layout: RunLayout, manifest: Manifest, n: int) -> None:
+    pointer = {"iteration": n, "manifest": manifest.path, "sha256": manifest.sha256, "updated_at": utc_now()}
+    layout.store.write_bytes(layout.latest, _encode(pointer))
+    logger.info("run %s: LATEST -> iteration %d (%s)", layout.run_name, n, manifest.sha256[:12])
+
+
+def commit_iteration(
+    layout: RunLayout,
+    n: int,
+    *,
+    metrics: Mapping[str, Any],
+    stages: Sequence[str] = ITERATION_STAGES,
+    checkpoints: Sequence[str] = ("policy",),
+    timings: Mapping[str, float] | None = None,
+) -> Manifest:
+    """Write iteration n's manifest (naming its stage and checkpoint manifests by digest), then LATEST.
+
+    Iterations commit in order: LATEST must be n-1 (None for n = 0). If a previous commit wrote the
+    manifest but died before LATEST moved, this finishes it and returns the existing manifest.
+    """
+    from storage.checkpoints import read_checkpoint_manifest
+
+    latest = read_latest(layout)
+    expected_previous = n - 1 if n > 0 else None
+    if iteration_done(layout, n):
+        existing = read_iteration_manifest(layout, n)
+        if latest == expected_previous:
+            logger.warning("iteration %d was committed but LATEST not moved; finishing the commit", n)
+            _move_latest(layout, existing, n)
+            return existing
+        raise AlreadyCommittedError(f"iteration {n} of run {layout.run_name!r} is already committed (LATEST = {latest})")
+    if latest != expected_previous:
+        raise ValueError(f"cannot commit iteration {n} of run {layout.run_name!r}: LATEST is {latest}, need {expected_previous}")
+    stage_refs = {stage: read_stage_manifest(layout, n, stage).ref for stage in stages}
+    checkpoint_refs = {kind: read_checkpoint_manifest(layout, n, kind).ref for kind in checkpoints}
+    previous = read_iteration_manifest(layout, n - 1).ref if n > 0 else None
+    data = {
+        **base_fields(layout, "iteration"),
+        "iteration": n,
+        "stages": stage_refs,
+        "checkpoints": checkpoint_refs,
+        "previous": previous,
+        "metrics": plain_metrics(metrics),
+        "timings": plain_metrics(timings or {}),
+    }
+    manifest = write_manifest(layout, layout.iteration_manifest(n), data)
+    _move_latest(layout, manifest, n)
+    return manifest

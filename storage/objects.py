@@ -1,0 +1,350 @@
+"""Object operations with the guarantees the run layout relies on, per backend.
+
+| operation            | file://                          | s3://                               | memory://           |
+|----------------------|----------------------------------|-------------------------------------|---------------------|
+| `write_bytes`        | tmp + fsync + rename (atomic)    | one PUT (atomic)                    | under a process lock|
+| `create_exclusive`   | tmp + `link()` (atomic, O_EXCL)  | PUT `If-None-Match: *`              | under a process lock|
+| `replace_if_tag`     | compare under `flock` + rename   | PUT `If-Match: <etag>`              | under a process lock|
+| `delete_if_tag`      | compare under `flock` + unlink   | DELETE `If-Match: <etag>`           | under a process lock|
+
+Every remote operation goes through `call_with_retry`. Paths handed in are URLs (see `storage.urls`).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import io
+import logging
+import os
+import shutil
+import threading
+import uuid
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import IO, Any, Literal
+
+from fsspec import AbstractFileSystem
+from fsspec.implementations.local import LocalFileSystem
+from fsspec.implementations.memory import MemoryFileSystem
+
+from storage.errors import PreconditionFailedError
+from storage.retry import RetryPolicy, call_with_retry
+from storage.urls import protocol, resolve
+
+logger = logging.getLogger(__name__)
+
+Backend = Literal["file", "s3", "memory"]
+_MEMORY_LOCK = threading.RLock()  # memory:// is one dict per process: one lock makes its writes exclusive
+_HASH_CHUNK = 8 * 2**20
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def sha256_local_file(path: str | os.PathLike[str]) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(_HASH_CHUNK), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+class HashingSink(io.RawIOBase):
+    """Write-through file object that counts bytes and hashes them as they pass (no re-read)."""
+
+    def __init__(self, inner: IO[bytes]) -> None:
+        super().__init__()
+        self._inner = inner
+        self._digest = hashlib.sha256()
+        self.bytes_written = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        self._digest.update(view)
+        self._inner.write(view)
+        self.bytes_written += view.nbytes
+        return view.nbytes
+
+    def tell(self) -> int:
+        return self.bytes_written
+
+    def flush(self) -> None:
+        self._inner.flush()
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        super().close()  # flushes through to the inner file first
+        self._inner.close()
+
+    def hexdigest(self) -> str:
+        return self._digest.hexdigest()
+
+
+def _is_precondition_failed(exc: BaseException) -> bool:
+    import botocore.exceptions
+
+    current: BaseException | None = exc
+    while current is not None:
+        if isinstance(current, botocore.exceptions.ClientError):
+            error = current.response.get("Error", {})
+            status = current.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+            return error.get("Code") == "PreconditionFailed" or status == 412
+        current = current.__cause__ or current.__context__
+    return False
+
+
+class ObjectStore:
+    """One filesystem plus the conditional operations a run needs; built by `RunLayout`."""
+
+    def __init__(self, url: str, *, storage_options: Mapping[str, Any] | None, retry: RetryPolicy) -> None:
+        self.fs: AbstractFileSystem
+        self.fs, _ = resolve(url, storage_options)
+        self.backend: Backend = protocol(url)  # type: ignore[assignment]
+        self.retry = retry
+        expected = {"file": LocalFileSystem, "memory": MemoryFileSystem}.get(self.backend)
+        if expected is not None and not isinstance(self.fs, expected):
+            raise TypeError(f"{url!r} resolved to {type(self.fs).__name__}, expected {expected.__name__}")
+
+    def __repr__(self) -> str:  # never show storage options (they may hold credentials)
+        return f"ObjectStore(backend={self.backend!r})"
+
+    # -- plumbing ---------------------------------------------------------------------------
+    def path(self, url: str) -> str:
+        """The filesystem path of a URL."""
+        return self.fs._strip_protocol(url)
+
+    def _call(self, fn: Any, what: str) -> Any:
+        if self.backend == "s3":
+            return call_with_retry(fn, policy=self.retry, what=what)
+        return fn()
+
+    def _ensure_parent(self, path: str) -> None:
+        if self.backend == "file":
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+
+    @contextmanager
+    def _local_dir_lock(self, path: str) -> Iterator[None]:
+        """flock on the parent directory: serialises compare-and-swap between processes of one host."""
+        fd = os.open(os.path.dirname(path), os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+
+    def _local_tmp(self, path: str) -> str:
+        return os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex}")
+
+    def _local_write_tmp(self, path: str, data: bytes) -> str:
+        self._ensure_parent(path)
+        tmp = self._local_tmp(path)
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        return tmp
+
+    # -- reads ------------------------------------------------------------------------------
+    def exists(self, url: str) -> bool:
+        path = self.path(url)
+        return bool(self._call(lambda: self.fs.exists(path), f"exists {url}"))
+
+    def read_bytes(self, url: str) -> bytes:
+        path = self.path(url)
+        return self._call(lambda: self.fs.cat_file(path), f"read {url}")
+
+    def size(self, url: str) -> int:
+        path = self.path(url)
+        return int(self._call(lambda: self.fs.size(path), f"size {url}"))
+
+    def list_files(self, url: str) -> list[str]:
+        """URLs of all files under `url` (recursive), sorted; empty when nothing is there."""
+        path = self.path(url)
+
+        def find() -> list[str]:
+            if not self.fs.exists(path):
+                return []
+            return sorted(self.fs.find(path))
+
+        found = self._call(find, f"list {url}")
+        return [self._url_of(p) for p in found]
+
+    def list_dirs(self, url: str) -> list[str]:
+        """Names of the immediate sub-directories (prefixes) of `url`."""
+        path = self.path(url)
+
+        def ls() -> list[str]:
+            if not self.fs.exists(path):
+                return []
+            return [e["name"] for e in self.fs.ls(path, detail=True) if e["type"] == "directory"]
+
+        return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in self._call(ls, f"ls {url}"))
+
+    def _url_of(self, path: str) -> str:
+        if self.backend == "file":
+            return "file://" + path
+        if self.backend == "memory":
+            return "memory://" + path
+        return "s3://" + path
+
+    def open_read(self, url: str) -> IO[bytes]:
+        return self.fs.open(self.path(url), "rb")
+
+    def read_tagged(self, url: str) -> tuple[bytes, str]:
+        """(content, tag) where the tag identifies this exact content for `replace_if_tag`.
+
+        On s3 the ETag is fetched BEFORE the body: if the object changes in between, the tag is stale
+        and the conditional write fails, which is the safe direction.
+        """
+        if self.backend == "s3":
+            path = self.path(url)
+            etag = self._call(lambda: self.fs.info(path)["ETag"], f"head {url}")
+            return self.read_bytes(url), str(etag)
+        data = self.read_bytes(url)
+        return data, sha256_bytes(data)
+
+    # -- writes -----------------------------------------------------------------------------
+    def write_bytes(self, url: str, data: bytes) -> None:
+        """Atomic create-or-replace: readers see the old or the new content, never a mix."""
+        path = self.path(url)
+        if self.backend == "file":
+            tmp = self._local_write_tmp(path, data)
+            os.replace(tmp, path)
+            return
+        if self.backend == "memory":
+            with _MEMORY_LOCK:
+                self.fs.pipe_file(path, data)
+            return
+        self._call(lambda: self.fs.pipe_file(path, data), f"put {url}")
+
+    def create_exclusive(self, url: str, data: bytes) -> None:
+        """Create `url` with `data`; raise FileExistsError if it already exists (atomic on every backend)."""
+        path = self.path(url)
+        if self.backend == "file":
+            tmp = self._local_write_tmp(path, data)
+            try:
+                os.link(tmp, path)
+            finally:
+                os.unlink(tmp)
+            return
+        if self.backend == "memory":
+            with _MEMORY_LOCK:
+                if self.fs.exists(path):
+                    raise FileExistsError(f"{url} already exists")
+                self.fs.pipe_file(path, data)
+            return
+        attempts = 0
+
+        def put() -> None:
+            nonlocal attempts
+            attempts += 1
+            try:
+                self.fs.pipe_file(path, data, mode="create")
+            except FileExistsError:
+                # A retried PUT can find the object its own lost-response attempt created.
+                if attempts > 1 and self.fs.cat_file(path) == data:
+                    return
+                raise
+
+        call_with_retry(put, policy=self.retry, what=f"conditional put {url}")
+
+    def replace_if_tag(self, url: str, data: bytes, tag: str) -> None:
+        """Replace `url` only if it still holds the content `tag` was read from; else PreconditionFailedError."""
+        path = self.path(url)
+        if self.backend == "s3":
+            bucket, key, _ = self.fs.split_path(path)
+            self._s3_conditional("put_object", url, Bucket=bucket, Key=key, Body=data, IfMatch=tag)
+            return
+        with self._exclusive_local_or_memory(path):
+            if not self.fs.exists(path) or sha256_bytes(self.fs.cat_file(path)) != tag:
+                raise PreconditionFailedError(f"{url} changed since it was read")
+            if self.backend == "file":
+                os.replace(self._local_write_tmp(path, data), path)
+            else:
+                self.fs.pipe_file(path, data)
+
+    def delete_if_tag(self, url: str, tag: str) -> None:
+        """Delete `url` only if it still holds the content `tag` was read from; else PreconditionFailedError."""
+        path = self.path(url)
+        if self.backend == "s3":
+            bucket, key, _ = self.fs.split_path(path)
+            self._s3_conditional("delete_object", url, Bucket=bucket, Key=key, IfMatch=tag)
+            return
+        with self._exclusive_local_or_memory(path):
+            if not self.fs.exists(path) or sha256_bytes(self.fs.cat_file(path)) != tag:
+                raise PreconditionFailedError(f"{url} changed since it was read")
+            self.fs.rm_file(path)
+
+    @contextmanager
+    def _exclusive_local_or_memory(self, path: str) -> Iterator[None]:
+        if self.backend == "file":
+            with self._local_dir_lock(path):
+                yield
+        else:
+            with _MEMORY_LOCK:
+                yield
+
+    def _s3_conditional(self, method: str, url: str, **kwargs: Any) -> None:
+        def call() -> None:
+            try:
+                self.fs.call_s3(method, **kwargs)
+            except OSError as exc:
+                if _is_precondition_failed(exc):
+                    raise PreconditionFailedError(f"{url} changed since it was read") from exc
+                raise
+
+        call_with_retry(call, policy=self.retry, what=f"conditional {method} {url}")
+
+    def put_local_file(self, local_path: str | os.PathLike[str], url: str) -> None:
+        """Upload (or copy) one local file to `url`, whole-file retried on s3."""
+        path = self.path(url)
+        if self.backend == "file":
+            self._ensure_parent(path)
+            shutil.copyfile(local_path, path)
+            return
+        if self.backend == "memory":
+            self.fs.pipe_file(path, Path(local_path).read_bytes())
+            return
+        self._call(lambda: self.fs.put_file(os.fspath(local_path), path), f"upload {url}")
+
+    def get_to_local(self, url: str, local_path: str | os.PathLike[str]) -> None:
+        """Download (or copy) `url` to a local file, whole-file retried on s3."""
+        path = self.path(url)
+        os.makedirs(os.path.dirname(os.fspath(local_path)), exist_ok=True)
+        if self.backend == "file":
+            shutil.copyfile(path, local_path)
+            return
+        self._call(lambda: self.fs.get_file(path, os.fspath(local_path)), f"download {url}")
+
+    def open_write(self, url: str) -> IO[bytes]:
+        """A streaming writer for file:// and memory:// (s3 writes are spooled and uploaded whole)."""
+        if self.backend == "s3":
+            raise ValueError(f"open_write is not used on s3 (spool locally, then put_local_file): {url}")
+        path = self.path(url)
+        self._ensure_parent(path)
+        return self.fs.open(path, "wb")
+
+    def remove_tree(self, url: str) -> None:
+        """Remove everything under `url`; nothing there is fine."""
+        path = self.path(url)
+        if self.backend == "file":
+            if os.path.isdir(path):
+                shutil.rmtree(path)
+            return
+
+        def rm() -> None:
+            files = self.fs.find(path)
+            if files:
+                self.fs.rm(files)
+            if self.backend == "memory" and self.fs.isdir(path):
+                self.fs.rm(path, recursive=True)
+
+        self._call(rm, f"remove {url}")

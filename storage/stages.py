@@ -1,0 +1,137 @@
+"""One stage's output for one iteration: files, then a manifest written last.
+
+    stage = StageOutput(layout, n, "rollout")       # refuses a committed stage, clears a partial one
+    with ShardWriter(stage, ROLLOUT, top_k=16) as writer:
+        writer.write(columns)
+    manifest = stage.commit(parents=[...], metrics={...})
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from storage.errors import AlreadyCommittedError, ChecksumMismatchError, NotCommittedError
+from storage.layout import RunLayout, read_run
+from storage.manifest import (
+    Manifest,
+    base_fields,
+    plain_metrics,
+    read_manifest,
+    stage_done,
+    verify_ref,
+    write_manifest,
+)
+from storage.objects import sha256_bytes
+
+logger = logging.getLogger(__name__)
+
+
+class StageOutput:
+    """Collects the files of stage `stage` of iteration `n` and commits them with a manifest."""
+
+    def __init__(self, layout: RunLayout, n: int, stage: str) -> None:
+        self.layout = layout
+        self.iteration = n
+        self.stage = stage
+        self.dir = layout.stage_dir(n, stage)
+        if stage_done(layout, n, stage):
+            raise AlreadyCommittedError(
+                f"stage {stage} of iteration {n} is committed ({layout.stage_manifest(n, stage)}); "
+                "committed outputs are never overwritten"
+            )
+        read_run(layout)  # the run must exist: manifests record its config hash
+        leftovers = layout.store.list_files(self.dir)
+        if leftovers:
+            logger.warning(
+                "stage %s of iteration %d has %d file(s) but no manifest (interrupted run); clearing %s",
+                stage, n, len(leftovers), self.dir,
+            )
+            layout.store.remove_tree(self.dir)
+        self._files: list[dict[str, Any]] = []
+        self._schema: dict[str, Any] | None = None
+        self._open_writers = 0
+        self._started = time.monotonic()
+        self._committed = False
+
+    # -- used by ShardWriter ----------------------------------------------------------------
+    def _register_writer(self, schema_info: dict[str, Any]) -> None:
+        if self._schema is not None:
+            raise ValueError(f"stage {self.stage} of iteration {self.iteration} already has a shard writer")
+        self._schema = schema_info
+        self._open_writers += 1
+
+    def _writer_closed(self) -> None:
+        self._open_writers -= 1
+
+    def _add_file(self, entry: dict[str, Any]) -> None:
+        if self._committed:
+            raise AlreadyCommittedError(f"stage {self.stage} of iteration {self.iteration} is already committed")
+        self._files.append(entry)
+
+    # -- plain files ----------------------------------------------------------------------------
+    def write_bytes(self, name: str, data: bytes) -> str:
+        """Write a small non-shard file (e.g. train metrics) into the stage; returns its URL."""
+        url = self.layout.stage_file(self.iteration, self.stage, name)
+        self.layout.store.write_bytes(url, data)
+        self._add_file(
+            {"path": self.layout.relative(url), "bytes": len(data), "sha256": sha256_bytes(data), "rows": None}
+        )
+        return url
+
+    def write_json(self, name: str, obj: Any) -> str:
+        return self.write_bytes(name, (json.dumps(obj, indent=1, sort_keys=True, allow_nan=False) + "\n").encode())
+
+    @property
+    def files(self) -> list[dict[str, Any]]:
+        return list(self._files)
+
+    def commit(
+        self,
+        *,
+        parents: Sequence[Manifest | Mapping[str, str]] = (),
+        metrics: Mapping[str, Any] | None = None,
+        timings: Mapping[str, float] | None = None,
+    ) -> Manifest:
+        """Write the stage manifest (files, sizes, digests, rows, schema, parents...) and return it."""
+        if self._open_writers:
+            raise ValueError(f"stage {self.stage} of iteration {self.iteration}: close the shard writer before commit")
+        parent_refs = [p.ref if isinstance(p, Manifest) else dict(p) for p in parents]
+        for ref in parent_refs:
+            verify_ref(self.layout, ref)
+        rows = [f["rows"] for f in self._files if f["rows"] is not None]
+        data = {
+            **base_fields(self.layout, "stage"),
+            "iteration": self.iteration,
+            "stage": self.stage,
+            "files": self._files,
+            "rows": sum(rows),
+            "bytes": sum(f["bytes"] for f in self._files),
+            "schema": self._schema,
+            "parents": parent_refs,
+            "metrics": plain_metrics(metrics or {}),
+            "timings": {"wall_s": round(time.monotonic() - self._started, 3), **plain_metrics(timings or {})},
+        }
+        manifest = write_manifest(self.layout, self.layout.stage_manifest(self.iteration, self.stage), data)
+        self._committed = True
+        logger.info(
+            "committed %s of iteration %d: %d file(s), %d rows, %d bytes (%s)",
+            self.stage, self.iteration, len(self._files), data["rows"], data["bytes"], manifest.sha256[:12],
+        )
+        return manifest
+
+
+def read_stage_file(layout: RunLayout, n: int, stage: str, name: str, *, verify: bool = True) -> bytes:
+    """A committed stage's non-shard file, checked against the manifest's sha256."""
+    manifest = read_manifest(layout, layout.stage_manifest(n, stage))
+    url = layout.stage_file(n, stage, name)
+    entry = next((f for f in manifest.data["files"] if f["path"] == layout.relative(url)), None)
+    if entry is None:
+        raise NotCommittedError(f"{url} is not listed in {manifest.path}")
+    data = layout.store.read_bytes(url)
+    if verify and (actual := sha256_bytes(data)) != entry["sha256"]:
+        raise ChecksumMismatchError(url, expected=entry["sha256"], actual=actual)
+    return data

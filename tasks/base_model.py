@@ -1,0 +1,87 @@
+"""The initial policy of a run (checkpoint iter-0): an imported HF folder, or a bootstrapped model.
+
+Bootstrapping (a character tokenizer with a chat template, a from-scratch model, a short
+supervised warm-up) is cached locally by the hash of its settings and seed, so runs that share a
+base model (an SDPO run and its GRPO baseline) start from the same weights.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+from pathlib import Path
+from typing import Any
+
+from tasks.runtime import Run
+
+logger = logging.getLogger(__name__)
+
+
+def bootstrap_cache_dir(run: Run) -> Path:
+    cfg = run.cfg
+    spec = {"bootstrap": cfg.model.bootstrap.model_dump(mode="json"), "data": cfg.data.model_dump(mode="json"), "seed": cfg.seed}
+    digest = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
+    return Path(cfg.storage.cache_dir) / "bootstrap" / digest
+
+
+def materialise_base(run: Run, *, progress: bool = True) -> tuple[Path, dict[str, Any]]:
+    """A local HF folder with the initial policy, and what is known about it."""
+    cfg = run.cfg
+    if cfg.model.path:
+        from storage.urls import resolve
+
+        fs, path = resolve(cfg.model.path, cfg.storage.storage_options or None)
+        if fs.protocol in ("file", ("file", "local")) or "file" in fs.protocol:
+            return Path(path), {"source": cfg.model.path}
+        local = Path(cfg.storage.cache_dir) / "imported" / hashlib.sha256(cfg.model.path.encode()).hexdigest()[:16]
+        if not (local / "config.json").exists():
+            fs.get(path.rstrip("/") + "/", str(local), recursive=True)
+        return local, {"source": cfg.model.path}
+
+    from tasks.bootstrap import bootstrap_checkpoint
+    from tasks.data import load_splits
+
+    out = bootstrap_cache_dir(run)
+    info_path = out / "bootstrap.json"
+    if info_path.exists():
+        logger.info("reusing the bootstrapped base model in %s", out)
+        return out, json.loads(info_path.read_text())
+    train_rows, eval_rows = load_splits(cfg.data, seed=cfg.seed)
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    b = cfg.model.bootstrap
+    info = bootstrap_checkpoint(
+        str(tmp),
+        train_rows=train_rows,
+        eval_rows=eval_rows[: cfg.data.eval_prompts],
+        architecture=b.architecture,
+        hidden=b.hidden_size,
+        layers=b.num_layers,
+        heads=b.num_heads,
+        kv_heads=b.num_kv_heads,
+        intermediate=b.intermediate_size,
+        max_positions=b.max_positions,
+        steps=b.warmup_steps,
+        batch_size=b.warmup_batch_size,
+        lr=b.warmup_lr,
+        seed=cfg.seed,
+        progress=progress,
+    )
+    info = {"source": "bootstrap", **{k: v for k, v in info.items() if isinstance(v, (int, float, str))}}
+    (tmp / "bootstrap.json").write_text(json.dumps(info, indent=2))
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out, info
+
+
+def ensure_base_checkpoint(run: Run, *, progress: bool = True) -> dict[str, Any]:
+    """Write checkpoint iter-0 (policy) once; later calls return what is already stored."""
+    from storage.checkpoints import checkpoint_exists, upload_checkpoint
+
+    if checkpoint_exists(run.layout, "iter-0", "policy"):
+        return {"source": "stored"}
+    local, info = materialise_base(run, progress=progress)
+    upload_checkpoint(local, run.layout, 0, "policy", parent=None, trained_on=[])
+    return info

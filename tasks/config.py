@@ -1,0 +1,355 @@
+"""The run configuration: one typed tree, validated at construction.
+
+Every default of the product lives here and nowhere else. The module imports only pydantic and
+PyYAML so that a flow can validate a config on any worker without torch, Megatron or SGLang.
+
+A config is loaded from YAML plus dotted overrides::
+
+    cfg = load_config("configs/demo.yaml", ["loss.alpha=0.5", "rollout.group_size=4"])
+
+Errors name the field and say what to change.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+__all__ = [
+    "ConfigError",
+    "RunConfig",
+    "load_config",
+    "apply_overrides",
+    "config_hash",
+    "flatten",
+]
+
+
+class ConfigError(ValueError):
+    """A run config that cannot be used; the message names each bad field and the fix."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+
+class BootstrapConfig(_Section):
+    """A from-scratch model and tokenizer made when `model.path` is unset (the offline demo)."""
+
+    architecture: Literal["qwen3", "llama"] = "qwen3"
+    hidden_size: int = Field(128, ge=8)
+    num_layers: int = Field(4, ge=1)
+    num_heads: int = Field(4, ge=1)
+    num_kv_heads: int = Field(2, ge=1)
+    intermediate_size: int = Field(384, ge=8)
+    max_positions: int = Field(256, ge=16)
+    warmup_steps: int = Field(400, ge=0, description="supervised warm-up steps on the task")
+    warmup_batch_size: int = Field(64, ge=1)
+    warmup_lr: float = Field(3e-3, gt=0)
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> BootstrapConfig:
+        if self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"hidden_size={self.hidden_size} is not divisible by num_heads={self.num_heads}; "
+                "pick values where hidden_size % num_heads == 0"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads={self.num_heads} is not divisible by num_kv_heads={self.num_kv_heads}"
+            )
+        return self
+
+
+class ModelConfig(_Section):
+    """The initial policy (and teacher): an HF checkpoint folder or URL, or a bootstrap spec."""
+
+    path: str | None = Field(
+        None, description="HF safetensors folder (local path or object-store URL); unset = bootstrap"
+    )
+    bootstrap: BootstrapConfig = BootstrapConfig()
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="extra kwargs for apply_chat_template, used for student and teacher alike",
+    )
+
+
+class DataConfig(_Section):
+    """Where prompts come from and how many each iteration takes."""
+
+    source: Literal["arithmetic", "prepared"] = "arithmetic"
+    path: str | None = Field(None, description="prepared data set URL (source=prepared)")
+    prompts_per_iteration: int = Field(32, ge=1)
+    eval_prompts: int = Field(200, ge=1)
+    # arithmetic generator
+    max_operand: int = Field(99, ge=1)
+    eval_fraction: float = Field(0.1, gt=0, lt=1)
+
+    @model_validator(mode="after")
+    def _path_for_prepared(self) -> DataConfig:
+        if self.source == "prepared" and not self.path:
+            raise ValueError("source='prepared' needs data.path (the URL written by `sdpo prepare-data`)")
+        return self
+
+
+class VerifierConfig(_Section):
+    name: Literal["arithmetic"] = "arithmetic"
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+
+
+class SGLangConfig(_Section):
+    """Servers speaking SGLang's native HTTP API (rollout.engine = sglang)."""
+
+    urls: list[str] = Field(default_factory=list)
+    request_timeout_s: float = Field(120.0, gt=0)
+    health_timeout_s: float = Field(300.0, gt=0)
+    max_concurrency: int = Field(64, ge=1)
+    retries: int = Field(3, ge=0)
+
+
+class RolloutConfig(_Section):
+    engine: Literal["embedded", "sglang"] = "embedded"
+    group_size: int = Field(8, ge=1, description="answers sampled per prompt (G)")
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    max_new_tokens: int = Field(16, ge=1)
+    top_k: int = Field(16, description="student top-K ids (and logprobs) recorded per token")
+    batch_size: int = Field(64, ge=1, description="prompts per engine call (embedded engine)")
+    sglang: SGLangConfig = SGLangConfig()
+
+    @field_validator("top_k")
+    @classmethod
+    def _k_positive(cls, k: int) -> int:
+        if k < 1:
+            raise ValueError(f"top_k={k}; it must be >= 1 (the paper uses 100, Relax 16)")
+        return k
+
+    @model_validator(mode="after")
+    def _sglang_urls(self) -> RolloutConfig:
+        if self.engine == "sglang" and not self.sglang.urls:
+            raise ValueError("engine='sglang' needs rollout.sglang.urls (one or more server URLs)")
+        return self
+
+
+class TeacherConfig(_Section):
+    """The self-teacher: which context it sees, and how its weights follow the student."""
+
+    feedback: str = Field(
+        "sdpo",
+        description="feedback class: opd | opsd | sdpo | sdpo_relax | 'package.module:Class'",
+    )
+    feedback_kwargs: dict[str, Any] = Field(default_factory=dict)
+    update: Literal["static", "live", "ema", "trust-region"] = "ema"
+    update_rate: float = Field(0.05, description="EMA / trust-region rate tau in (0, 1]")
+    batch_tokens: int = Field(8192, ge=16, description="tokens per teacher forward batch")
+
+    @field_validator("update_rate")
+    @classmethod
+    def _rate_range(cls, rate: float) -> float:
+        if not 0.0 < rate <= 1.0:
+            raise ValueError(
+                f"update_rate={rate} is outside (0, 1]; the paper uses 0.05 (0.01 for code)"
+            )
+        return rate
+
+
+class LossConfig(_Section):
+    type: Literal["sdpo", "grpo", "blend"] = "sdpo"
+    blend_lambda: float = Field(0.0, ge=0, le=1, description="blend: lambda*GRPO + (1-lambda)*SDPO")
+    divergence: Literal["topk_tail", "topk_renorm", "full", "sampled_token"] = "topk_tail"
+    alpha: float = Field(0.5, ge=0, le=1, description="0 = KL(teacher||student), 1 = KL(student||teacher)")
+    is_clip: float | None = Field(2.0, gt=0, description="per-token importance-weight cap; null = off")
+    mask_reduction: Literal["exclude", "dilute"] = "dilute"
+    aggregation: Literal["token-mean", "sequence-mean"] = "token-mean"
+    grpo_normalize_std: bool = False
+    clip_low: float = Field(0.2, ge=0)
+    clip_high: float = Field(0.28, ge=0)
+
+    @model_validator(mode="after")
+    def _sampled_token_alpha(self) -> LossConfig:
+        if self.divergence == "sampled_token" and self.alpha != 1.0:
+            raise ValueError(
+                f"divergence='sampled_token' is defined only for alpha=1 (reverse KL), got alpha={self.alpha}; "
+                "set loss.alpha=1 or choose divergence=topk_tail"
+            )
+        if self.type == "blend" and self.blend_lambda in (0.0, 1.0):
+            raise ValueError(
+                f"type='blend' with blend_lambda={self.blend_lambda} is a pure loss; "
+                "use type=sdpo (lambda 0) or type=grpo (lambda 1), or pick 0 < blend_lambda < 1"
+            )
+        return self
+
+
+class OptimizerConfig(_Section):
+    lr: float = Field(1e-5, gt=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = Field(0.01, ge=0)
+    grad_clip: float = Field(1.0, ge=0, description="max global grad norm; 0 = off")
+    schedule: Literal["constant", "cosine"] = "constant"
+    warmup_steps: int = Field(0, ge=0)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="cosine floor as a fraction of lr")
+
+
+class TrainConfig(_Section):
+    steps_per_iteration: int = Field(1, ge=1, description="optimizer steps (mini-batches) per iteration")
+    micro_batch_size: int = Field(16, ge=1)
+    tensor_parallel: int = Field(1, ge=1)
+    megatron_checkpoint_every: int = Field(
+        1, ge=1, description="save the resumable Megatron checkpoint every N iterations (and the last)"
+    )
+
+
+class StorageConfig(_Section):
+    root: str = Field("runs", description="run root: a local path, file://, s3:// or memory:// URL")
+    storage_options: dict[str, Any] = Field(
+        default_factory=dict, description="fsspec options (e.g. endpoint_url); secrets stay out of logs"
+    )
+    verify_sha256: bool = True
+    cache_dir: str = Field(".sdpo/cache", description="local checkpoint cache, keyed by digest")
+    logprob_dtype: Literal["float32", "float16"] = "float32"
+    lock_lease_seconds: int = Field(
+        3600, ge=10, description="a run lock older than this (and not renewed) may be taken over"
+    )
+
+
+class TrackingConfig(_Section):
+    uri: str | None = Field(None, description="MLflow tracking URI; unset = sqlite file under the run root")
+    experiment: str = "sdpo"
+    enabled: bool = True
+
+
+class EvalConfig(_Section):
+    every: int = Field(5, ge=0, description="evaluate every N iterations (0 = only before and after)")
+    sampled_n: int = Field(4, ge=1, description="samples per prompt for sampled accuracy")
+    temperature: float = Field(0.6, ge=0)
+    top_p: float = Field(0.95, gt=0, le=1)
+
+
+class RunConfig(_Section):
+    """A whole SDPO (or baseline) run."""
+
+    name: str = Field("demo", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    seed: int = 0
+    iterations: int = Field(10, ge=1)
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    verifier: VerifierConfig = VerifierConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    teacher: TeacherConfig = TeacherConfig()
+    loss: LossConfig = LossConfig()
+    optimizer: OptimizerConfig = OptimizerConfig()
+    train: TrainConfig = TrainConfig()
+    storage: StorageConfig = StorageConfig()
+    tracking: TrackingConfig = TrackingConfig()
+    eval: EvalConfig = EvalConfig()
+
+    @model_validator(mode="after")
+    def _cross_section(self) -> RunConfig:
+        uses_distillation = self.loss.type in ("sdpo", "blend")
+        if uses_distillation and self.teacher.feedback in ("sdpo", "sdpo_relax") and self.rollout.group_size < 2:
+            raise ValueError(
+                f"rollout.group_size={self.rollout.group_size} with loss.type={self.loss.type!r} and "
+                f"teacher.feedback={self.teacher.feedback!r}: SDPO takes demonstrations from peers in the "
+                "group; set rollout.group_size >= 2 (the paper uses 8)"
+            )
+        if self.loss.type in ("grpo", "blend") and self.rollout.group_size < 2:
+            raise ValueError(
+                f"rollout.group_size={self.rollout.group_size}: GRPO advantages need groups of >= 2 answers"
+            )
+        per_iter = self.data.prompts_per_iteration * self.rollout.group_size
+        if per_iter % self.train.steps_per_iteration:
+            raise ValueError(
+                f"train.steps_per_iteration={self.train.steps_per_iteration} does not divide the "
+                f"{per_iter} samples of an iteration (data.prompts_per_iteration * rollout.group_size)"
+            )
+        return self
+
+
+# --------------------------------------------------------------------------------------------
+# loading
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    node = tree
+    for key in keys[:-1]:
+        child = node.setdefault(key, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {dotted!r}: {key!r} is a value, not a section")
+        node = child
+    node[keys[-1]] = value
+
+
+def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Return a copy of `tree` with `key.sub=value` overrides applied (values parsed as YAML)."""
+    out = json.loads(json.dumps(tree))
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not of the form section.key=value")
+        key, raw = item.split("=", 1)
+        if not key:
+            raise ConfigError(f"override {item!r} has an empty key")
+        _set_dotted(out, key.strip(), yaml.safe_load(raw) if raw.strip() else "")
+    return out
+
+
+def _format_validation_error(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"]) or "<root>"
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            msg = f"unknown key; remove it or check its spelling (value: {e['input']!r})"
+        lines.append(f"  {loc}: {msg}")
+    return "invalid run config:\n" + "\n".join(lines)
+
+
+def build_config(tree: dict[str, Any]) -> RunConfig:
+    """Validate a plain dict into a RunConfig, raising ConfigError with one line per bad field."""
+    try:
+        return RunConfig.model_validate(tree)
+    except ValidationError as err:
+        raise ConfigError(_format_validation_error(err)) from None
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> RunConfig:
+    """Load a YAML run config (or the defaults when `path` is None) and apply dotted overrides."""
+    tree: dict[str, Any] = {}
+    if path is not None:
+        text = Path(path).read_text()
+        loaded = yaml.safe_load(text)
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping, got {type(loaded).__name__}")
+        tree = loaded
+    return build_config(apply_overrides(tree, overrides or []))
+
+
+def to_dict(cfg: RunConfig) -> dict[str, Any]:
+    """The fully resolved config as plain JSON-able data (what run.json stores)."""
+    return cfg.model_dump(mode="json")
+
+
+def config_hash(cfg: RunConfig) -> str:
+    """sha256 of the canonical JSON of the resolved config."""
+    blob = json.dumps(to_dict(cfg), sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.sha256(blob).hexdigest()
+
+
+def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Dotted keys -> leaf values (MLflow params, config diffs)."""
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            out.update(flatten(value, dotted + "."))
+        else:
+            out[dotted] = value
+    return out

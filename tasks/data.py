@@ -1,0 +1,49 @@
+"""Prompt data for a run: the train / eval splits and the deterministic per-iteration cursor."""
+
+from __future__ import annotations
+
+import logging
+import random
+from typing import Any
+
+from tasks.config import DataConfig
+
+logger = logging.getLogger(__name__)
+
+Row = dict[str, Any]
+
+
+def load_splits(data: DataConfig, *, seed: int) -> tuple[list[Row], list[Row]]:
+    """(train rows, eval rows) for the configured data source."""
+    if data.source == "arithmetic":
+        from tasks.demo_data import make_splits
+
+        return make_splits(max_operand=data.max_operand, eval_fraction=data.eval_fraction, seed=seed)
+    raise NotImplementedError(
+        f"data.source={data.source!r} is not available in this build; use data.source=arithmetic"
+    )
+
+
+def iteration_prompts(rows: list[Row], *, iteration: int, per_iteration: int, seed: int) -> list[Row]:
+    """The prompts of iteration `iteration` (1-based): a seeded pass over shuffled epochs.
+
+    Epoch e is `rows` shuffled with seed (seed, e); iteration n takes the slice
+    [(n-1)*P, n*P) of the concatenated epochs. The same (rows, n, P, seed) always gives the same
+    prompts, so a restarted iteration samples the same questions.
+    """
+    if iteration < 1:
+        raise ValueError(f"iteration={iteration}; iterations are numbered from 1")
+    if not rows:
+        raise ValueError("the training split is empty")
+    size = len(rows)
+    start = (iteration - 1) * per_iteration
+    out: list[Row] = []
+    position = start
+    while len(out) < per_iteration:
+        epoch, offset = divmod(position, size)
+        order = list(range(size))
+        random.Random(f"{seed}:{epoch}").shuffle(order)
+        take = min(per_iteration - len(out), size - offset)
+        out.extend(rows[i] for i in order[offset : offset + take])
+        position += take
+    return out

@@ -1,0 +1,54 @@
+"""The offline demo task: two-operand addition prompts with integer labels.
+
+Pure and deterministic for a seed; no I/O. Rows have the data-set schema the rollout stage reads:
+`prompt_id`, `prompt_messages` (chat messages), `label` and `data_source`.
+
+A problem is the unordered pair {a, b}: "37+45=" and "45+37=" always land in the same split, so the
+held-out split measures addition the model has not seen in either order.
+"""
+
+from __future__ import annotations
+
+import random
+
+__all__ = ["DATA_SOURCE", "addition_row", "make_splits"]
+
+DATA_SOURCE = "arithmetic"
+
+
+def addition_row(a: int, b: int) -> dict:
+    """One data-set row for the prompt "a+b=" (no system message: sequences stay short)."""
+    return {
+        "prompt_id": f"add-{a}-{b}",
+        "prompt_messages": [{"role": "user", "content": f"{a}+{b}="}],
+        "label": str(a + b),
+        "data_source": DATA_SOURCE,
+    }
+
+
+def make_splits(
+    *, seed: int, max_operand: int, eval_fraction: float, min_operand: int = 0
+) -> tuple[list[dict], list[dict]]:
+    """All prompts a+b= with operands in [min_operand, max_operand], split into (train, eval).
+
+    The unordered pairs are shuffled with `seed` and the first `eval_fraction` of them (at least
+    one) go to eval; both orders of a pair follow it. Rows within each split are shuffled too.
+    """
+    if not 0 <= min_operand <= max_operand:
+        raise ValueError(f"need 0 <= min_operand <= max_operand, got {min_operand=}, {max_operand=}")
+    if not 0.0 < eval_fraction < 1.0:
+        raise ValueError(f"eval_fraction must be in (0, 1), got {eval_fraction}")
+    operands = range(min_operand, max_operand + 1)
+    pairs = [(a, b) for a in operands for b in operands if a <= b]
+    if len(pairs) < 2:
+        raise ValueError(f"operand range [{min_operand}, {max_operand}] gives {len(pairs)} problem(s); need >= 2")
+    rng = random.Random(seed)
+    rng.shuffle(pairs)
+    num_eval = min(max(1, round(eval_fraction * len(pairs))), len(pairs) - 1)
+    splits = []
+    for chunk in (pairs[num_eval:], pairs[:num_eval]):
+        rows = [addition_row(a, b) for a, b in chunk]
+        rows += [addition_row(b, a) for a, b in chunk if a != b]
+        rng.shuffle(rows)
+        splits.append(rows)
+    return splits[0], splits[1]

@@ -1,0 +1,88 @@
+"""The rollout-engine interface shared by the embedded torch engine and the SGLang client.
+
+Conventions every engine follows:
+
+- Log-probs are of the model's raw next-token distribution: `log_softmax(logits)` at temperature 1,
+  before top-p filtering. Temperature and top-p only shape how the token is *drawn*; the numbers
+  recorded are what the trainer recomputes from its own forward pass (and what the teacher is
+  compared against), so they are comparable with no correction for the sampling settings.
+- When a stop token is drawn it is part of `response_ids` (and has its log-probs recorded), so the
+  trainer sees and learns the decision to stop. `finish_reason` is "stop" then, and "length" when
+  `max_new_tokens` ran out first; a stop token drawn as the last allowed token counts as "stop".
+- `topk_ids` / `topk_logprobs` hold the K most likely ids of the raw distribution at each step,
+  most likely first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Protocol, runtime_checkable
+
+import numpy as np
+
+__all__ = ["FinishReason", "Generation", "RolloutEngine"]
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Generation:
+    """One sampled response. All arrays have one row per response token (T = len(response_ids))."""
+
+    response_ids: list[int]
+    sampled_logprobs: np.ndarray  # [T] float32, log p(response_ids[t])
+    topk_ids: np.ndarray  # [T, K] int32
+    topk_logprobs: np.ndarray  # [T, K] float32
+    finish_reason: FinishReason
+
+    def __post_init__(self) -> None:
+        num_tokens = len(self.response_ids)
+        if self.sampled_logprobs.shape != (num_tokens,):
+            raise ValueError(f"sampled_logprobs has shape {self.sampled_logprobs.shape}, expected ({num_tokens},)")
+        if self.topk_ids.ndim != 2 or self.topk_ids.shape[0] != num_tokens:
+            raise ValueError(f"topk_ids has shape {self.topk_ids.shape}, expected ({num_tokens}, K)")
+        if self.topk_logprobs.shape != self.topk_ids.shape:
+            raise ValueError(
+                f"topk_logprobs has shape {self.topk_logprobs.shape}, topk_ids {self.topk_ids.shape}; they must match"
+            )
+        if self.finish_reason not in ("stop", "length"):
+            raise ValueError(f"finish_reason must be 'stop' or 'length', got {self.finish_reason!r}")
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """Samples responses from the current policy weights."""
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        *,
+        n: int,
+        temperature: float,
+        top_p: float,
+        max_new_tokens: int,
+        stop_token_ids: list[int],
+        top_k_logprobs: int,
+        seed: int,
+        progress: bool = False,
+    ) -> list[list[Generation]]:
+        """Sample `n` responses per prompt (token ids, already chat-templated).
+
+        Returns one list per prompt, in prompt order, each holding `n` generations. `temperature`
+        0 means greedy decoding. For a fixed seed and weights the result is reproducible.
+        `progress` shows a progress bar.
+        """
+        ...
+
+    def load_weights(self, checkpoint_dir: str) -> None:
+        """Replace the policy weights with those of an HF checkpoint folder (same architecture)."""
+        ...
+
+    @property
+    def weight_version(self) -> str:
+        """An identifier of the weights now loaded (the checkpoint they came from)."""
+        ...
+
+    def close(self) -> None:
+        """Release the engine's resources; the engine is unusable afterwards."""
+        ...

@@ -1,0 +1,228 @@
+"""In-process rollout engine: batched sampling from an HF causal LM with a KV cache.
+
+For the offline demo and tests (tiny models on CPU), where a server would be overhead. Prompts of a
+batch are left-padded, so every row's next token is predicted at the last column; explicit
+position ids keep each row's positions starting at 0 regardless of its padding.
+
+Sampling is reproducible per sample: the uniform draws of sample j of prompt i come from a
+generator seeded with (seed, i, j), so a sample does not depend on which other prompts share its
+batch or on `max_batch_size` (up to float round-off in the batched matmuls).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tasks.engines.base import Generation
+
+__all__ = ["EmbeddedEngine"]
+
+logger = logging.getLogger(__name__)
+
+_PAD_ID = 0  # what fills padded slots; they are masked out, so any valid id works
+
+
+class EmbeddedEngine:
+    """A `RolloutEngine` running an HF `AutoModelForCausalLM` in this process."""
+
+    def __init__(
+        self,
+        checkpoint_dir: str,
+        *,
+        device: str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        max_batch_size: int,
+    ) -> None:
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        self._device = torch.device(device)
+        self._dtype = dtype
+        self._max_batch_size = max_batch_size
+        self._model: torch.nn.Module | None = None
+        self._weight_version = ""
+        self.load_weights(checkpoint_dir)
+
+    @property
+    def weight_version(self) -> str:
+        return self._weight_version
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The loaded model (eval mode); raises once the engine is closed."""
+        if self._model is None:
+            raise RuntimeError("the engine is closed")
+        return self._model
+
+    def load_weights(self, checkpoint_dir: str) -> None:
+        from transformers import AutoModelForCausalLM
+
+        path = Path(checkpoint_dir)
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{checkpoint_dir!r} is not an HF checkpoint folder (no config.json)")
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=self._dtype)
+        self._model = model.to(self._device).eval()
+        self._weight_version = str(path.resolve())
+        logger.info("embedded engine loaded %s", self._weight_version)
+
+    def close(self) -> None:
+        self._model = None
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompts: list[list[int]],
+        *,
+        n: int,
+        temperature: float,
+        top_p: float,
+        max_new_tokens: int,
+        stop_token_ids: list[int],
+        top_k_logprobs: int,
+        seed: int,
+        progress: bool = False,
+    ) -> list[list[Generation]]:
+        from tqdm.auto import tqdm
+
+        model = self.model
+        vocab_size = model.config.vocab_size
+        max_positions = model.config.max_position_embeddings
+        if n < 1 or max_new_tokens < 1:
+            raise ValueError(f"need n >= 1 and max_new_tokens >= 1, got {n=}, {max_new_tokens=}")
+        if seed < 0:
+            raise ValueError(f"seed must be >= 0, got {seed}")
+        if temperature < 0 or not 0 < top_p <= 1:
+            raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature=}, {top_p=}")
+        if not 0 <= top_k_logprobs <= vocab_size:
+            raise ValueError(f"top_k_logprobs={top_k_logprobs} must be in [0, vocab_size={vocab_size}]")
+        for i, prompt in enumerate(prompts):
+            if len(prompt) == 0:
+                raise ValueError(f"prompt {i} is empty")
+            if len(prompt) + max_new_tokens > max_positions:
+                raise ValueError(
+                    f"prompt {i} has {len(prompt)} tokens; with max_new_tokens={max_new_tokens} it exceeds "
+                    f"the model's max_position_embeddings={max_positions}"
+                )
+
+        jobs = [(i, j) for i in range(len(prompts)) for j in range(n)]
+        results: list[list[Generation]] = [[] for _ in prompts]
+        starts = range(0, len(jobs), self._max_batch_size)
+        for start in tqdm(starts, desc="rollout", unit="batch", disable=not progress):
+            chunk = jobs[start : start + self._max_batch_size]
+            uniforms = None
+            if temperature > 0:
+                uniforms = np.stack([np.random.default_rng([seed, i, j]).random(max_new_tokens) for i, j in chunk])
+            generations = self._generate_batch(
+                [prompts[i] for i, _ in chunk],
+                uniforms=uniforms,
+                temperature=temperature,
+                top_p=top_p,
+                max_new_tokens=max_new_tokens,
+                stop_token_ids=stop_token_ids,
+                top_k=top_k_logprobs,
+            )
+            for (i, _), generation in zip(chunk, generations, strict=True):
+                results[i].append(generation)
+        return results
+
+    def _generate_batch(
+        self,
+        prompts: list[list[int]],
+        *,
+        uniforms: np.ndarray | None,
+        temperature: float,
+        top_p: float,
+        max_new_tokens: int,
+        stop_token_ids: list[int],
+        top_k: int,
+    ) -> list[Generation]:
+        model = self.model
+        device = self._device
+        batch = len(prompts)
+        lengths = torch.tensor([len(p) for p in prompts], device=device)
+        width = int(lengths.max())
+        input_ids = torch.full((batch, width), _PAD_ID, dtype=torch.long, device=device)
+        attention_mask = torch.zeros((batch, width), dtype=torch.long, device=device)
+        for row, prompt in enumerate(prompts):
+            input_ids[row, width - len(prompt) :] = torch.tensor(prompt, device=device)
+            attention_mask[row, width - len(prompt) :] = 1
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        stop_ids = torch.tensor(stop_token_ids, dtype=torch.long, device=device)
+        u = None if uniforms is None else torch.from_numpy(uniforms).to(device)  # [B, max_new_tokens]
+
+        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True)
+        cache = out.cache
+        logits = out.logits[:, -1, :].float()  # [B, V]
+        next_position = lengths.clone()  # [B]
+        finished = torch.zeros(batch, dtype=torch.bool, device=device)
+        steps_tokens, steps_logprob, steps_topk_ids, steps_topk_lp, steps_active = [], [], [], [], []
+        for step in range(max_new_tokens):
+            logprobs = torch.log_softmax(logits, dim=-1)  # [B, V]
+            if u is None:
+                token = logprobs.argmax(dim=-1)
+            else:
+                token = _sample(logits / temperature, top_p=top_p, u=u[:, step])
+            topk_lp, topk_ids = logprobs.topk(top_k, dim=-1)  # [B, K]
+            steps_tokens.append(token)
+            steps_logprob.append(logprobs.gather(-1, token[:, None])[:, 0])
+            steps_topk_ids.append(topk_ids)
+            steps_topk_lp.append(topk_lp)
+            steps_active.append(~finished)
+            finished = finished | torch.isin(token, stop_ids)
+            if bool(finished.all()) or step == max_new_tokens - 1:
+                break
+            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(batch, 1)], dim=1)
+            out = model(
+                input_ids=token[:, None],
+                attention_mask=attention_mask,
+                position_ids=next_position[:, None],
+                cache=cache,
+                use_cache=True,
+            )
+            cache = out.cache
+            logits = out.logits[:, -1, :].float()
+            next_position = next_position + 1
+
+        tokens = torch.stack(steps_tokens, dim=1).cpu().numpy()  # [B, S]
+        sampled = torch.stack(steps_logprob, dim=1).cpu().numpy().astype(np.float32)  # [B, S]
+        topk_ids_all = torch.stack(steps_topk_ids, dim=1).cpu().numpy().astype(np.int32)  # [B, S, K]
+        topk_lp_all = torch.stack(steps_topk_lp, dim=1).cpu().numpy().astype(np.float32)  # [B, S, K]
+        num_tokens = torch.stack(steps_active, dim=1).sum(dim=1).cpu().numpy()  # [B]; active steps form a prefix
+        stop_set = set(stop_token_ids)
+        generations = []
+        for row in range(batch):
+            count = int(num_tokens[row])
+            response = tokens[row, :count].tolist()
+            generations.append(
+                Generation(
+                    response_ids=response,
+                    sampled_logprobs=sampled[row, :count].copy(),
+                    topk_ids=topk_ids_all[row, :count].copy(),
+                    topk_logprobs=topk_lp_all[row, :count].copy(),
+                    finish_reason="stop" if response[-1] in stop_set else "length",
+                )
+            )
+        return generations
+
+
+def _sample(scaled_logits: torch.Tensor, *, top_p: float, u: torch.Tensor) -> torch.Tensor:
+    """Draw one id per row by inverting the (top-p truncated) CDF at the given uniforms.
+
+    scaled_logits: [B, V] (already divided by the temperature); u: [B] in [0, 1). Returns [B] ids.
+    """
+    probs = torch.softmax(scaled_logits, dim=-1)  # [B, V]
+    sorted_probs, sorted_ids = probs.sort(dim=-1, descending=True)
+    if top_p < 1.0:
+        # keep the smallest prefix whose mass reaches top_p (the most likely token always stays)
+        keep = (sorted_probs.cumsum(dim=-1) - sorted_probs) < top_p
+        sorted_probs = sorted_probs * keep
+    cdf = sorted_probs.cumsum(dim=-1)  # [B, V]
+    target = u.to(cdf.dtype)[:, None] * cdf[:, -1:]
+    choice = (cdf < target).sum(dim=-1)
+    # round-off can push `target` past the last kept entry; clamp to the last token with mass
+    last_kept = (sorted_probs > 0).sum(dim=-1) - 1
+    choice = torch.minimum(choice, last_kept)
+    return sorted_ids.gather(-1, choice[:, None])[:, 0]

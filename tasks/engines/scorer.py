@@ -1,0 +1,151 @@
+"""Teacher prefill: score given response tokens under a (privileged) prompt, forward only.
+
+For each sequence `prompt_ids + response_ids`, the hidden state at position len(prompt)-1+t
+predicts response token t. The log-probs there are gathered at the student's top-K ids and at the
+response token itself. The response is never re-tokenised: the ids the student sampled are the
+ids scored.
+
+Memory: the decoder runs on a right-padded batch of at most `batch_tokens` (padded) tokens, but the
+vocabulary projection runs only on the response positions, `logit_chunk_tokens` rows at a time, so
+the largest logits tensor is [logit_chunk_tokens, V], never [batch, T, V].
+
+Given the student's prompt instead of the teacher's, the same function recomputes the student's
+own log-probs (the rollout engine's numbers, up to float round-off).
+
+Assumes logits = output_embeddings(decoder(...).last_hidden_state), which holds for the Llama and
+Qwen families (no logit soft-capping or scaling after the projection).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+
+__all__ = ["TeacherScores", "pack_batches", "score_teacher"]
+
+logger = logging.getLogger(__name__)
+
+
+class TeacherScores(NamedTuple):
+    """Log-probs for one sequence; T = len(response_ids), K = the student's top-K width."""
+
+    topk_logprobs: np.ndarray  # [T, K] float32
+    sampled_logprobs: np.ndarray  # [T] float32
+
+
+def pack_batches(lengths: list[int], *, batch_tokens: int) -> list[list[int]]:
+    """Group sequence indices into batches whose padded size (rows x longest) fits `batch_tokens`.
+
+    Sequences are taken longest first, which keeps padding low. A sequence longer than
+    `batch_tokens` on its own gets a batch of one.
+    """
+    if batch_tokens < 1:
+        raise ValueError(f"batch_tokens must be >= 1, got {batch_tokens}")
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i], reverse=True)
+    batches: list[list[int]] = []
+    for i in order:
+        if batches and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= batch_tokens:
+            batches[-1].append(i)
+        else:
+            batches.append([i])
+    return batches
+
+
+@torch.no_grad()
+def score_teacher(
+    model: Any,
+    *,
+    sequences: list[tuple[list[int], list[int]]],
+    topk_ids: list[np.ndarray],
+    batch_tokens: int,
+    logit_chunk_tokens: int = 1024,
+    reference_model: Any | None = None,
+    trust_region_rate: float | None = None,
+    progress: bool = False,
+) -> list[TeacherScores]:
+    """Log-probs of each (prompt_ids, response_ids) pair's response, at `topk_ids` and the sampled ids.
+
+    `topk_ids[i]` is [T_i, K] (the student's ids per response token). With `reference_model` and
+    `trust_region_rate` tau, the teacher's logits are the trust-region mix
+    (1 - tau) * z_reference + tau * z_model, both computed on the same sequence.
+    Results come back in input order.
+    """
+    from tqdm.auto import tqdm
+
+    from sdpo_core.teacher_update import trust_region_logits
+
+    if len(sequences) != len(topk_ids):
+        raise ValueError(f"{len(sequences)} sequences but {len(topk_ids)} top-K id arrays")
+    if (reference_model is None) != (trust_region_rate is None):
+        raise ValueError(
+            "reference_model and trust_region_rate go together; got "
+            f"reference_model={'set' if reference_model is not None else None}, {trust_region_rate=}"
+        )
+    if logit_chunk_tokens < 1:
+        raise ValueError(f"logit_chunk_tokens must be >= 1, got {logit_chunk_tokens}")
+    vocab_size = model.get_output_embeddings().weight.shape[0]
+    for i, ((prompt, response), ids) in enumerate(zip(sequences, topk_ids, strict=True)):
+        if len(prompt) == 0:
+            raise ValueError(f"sequence {i}: the prompt is empty; the first response token needs a prefix")
+        if ids.ndim != 2 or ids.shape[0] != len(response):
+            raise ValueError(
+                f"sequence {i}: topk_ids has shape {ids.shape}, expected ({len(response)}, K) "
+                "(one row per response token)"
+            )
+        if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+            raise ValueError(f"sequence {i}: topk_ids outside [0, {vocab_size}): min {ids.min()}, max {ids.max()}")
+
+    device = next(model.parameters()).device
+    decoder, head = model.get_decoder(), model.get_output_embeddings()
+    if reference_model is not None:
+        ref_decoder, ref_head = reference_model.get_decoder(), reference_model.get_output_embeddings()
+
+    lengths = [len(p) + len(r) for p, r in sequences]
+    results: list[TeacherScores | None] = [None] * len(sequences)
+    for batch in tqdm(pack_batches(lengths, batch_tokens=batch_tokens), desc="teacher", disable=not progress):
+        width = max(lengths[i] for i in batch)
+        input_ids = torch.zeros((len(batch), width), dtype=torch.long, device=device)  # [B, L], right-padded
+        attention_mask = torch.zeros_like(input_ids)
+        for row, i in enumerate(batch):
+            prompt, response = sequences[i]
+            input_ids[row, : lengths[i]] = torch.tensor(prompt + response, device=device)
+            attention_mask[row, : lengths[i]] = 1
+        hidden = decoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # [B, L, H]
+        if reference_model is not None:
+            ref_hidden = ref_decoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+
+        for row, i in enumerate(batch):
+            prompt, response = sequences[i]
+            start, num_tokens = len(prompt) - 1, len(response)
+            # The token each scored position predicts, read back from the sequence itself: it must be
+            # the student's response, or the positions are misaligned.
+            targets = input_ids[row, start + 1 : start + 1 + num_tokens]  # [T]
+            if targets.tolist() != list(response):
+                raise AssertionError(
+                    f"sequence {i}: the tail of the scored sequence {targets.tolist()} differs from the "
+                    f"student's response ids {list(response)}"
+                )
+            ids = torch.as_tensor(topk_ids[i], dtype=torch.long, device=device)  # [T, K]
+            topk_parts, sampled_parts = [], []
+            for c0 in range(0, num_tokens, logit_chunk_tokens):
+                c1 = min(c0 + logit_chunk_tokens, num_tokens)
+                logits = head(hidden[row, start + c0 : start + c1]).float()  # [C, V]
+                if reference_model is not None:
+                    ref_logits = ref_head(ref_hidden[row, start + c0 : start + c1]).float()
+                    logits = trust_region_logits(ref_logits, logits, rate=trust_region_rate)
+                log_norm = torch.logsumexp(logits, dim=-1, keepdim=True)  # [C, 1]
+                topk_parts.append(logits.gather(-1, ids[c0:c1]) - log_norm)  # [C, K]
+                sampled_parts.append((logits.gather(-1, targets[c0:c1, None]) - log_norm)[:, 0])  # [C]
+            k = topk_ids[i].shape[1]
+            results[i] = TeacherScores(
+                topk_logprobs=(
+                    torch.cat(topk_parts).cpu().numpy() if topk_parts else np.zeros((0, k), dtype=np.float32)
+                ).astype(np.float32),
+                sampled_logprobs=(
+                    torch.cat(sampled_parts).cpu().numpy() if sampled_parts else np.zeros((0,), dtype=np.float32)
+                ).astype(np.float32),
+            )
+    return results

@@ -1,0 +1,204 @@
+"""Rollout stage: the policy answers this iteration's prompts in groups; the verifier scores them.
+
+Output: `iter-<n>/rollout` shards (one row per answer) and the stage manifest, written last.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tasks.config import RolloutConfig, RunConfig
+from tasks.runtime import Run, checkpoint_dir
+
+logger = logging.getLogger(__name__)
+
+_ENGINES: dict[tuple[str, str], Any] = {}
+
+
+def get_engine(rollout: RolloutConfig, policy_dir: Path, *, cache_key: str) -> Any:
+    """The rollout engine holding `policy_dir`'s weights; one per run and process, reloaded in place."""
+    key = (cache_key, rollout.engine)
+    engine = _ENGINES.get(key)
+    if engine is None:
+        if rollout.engine == "embedded":
+            from tasks.engines.embedded import EmbeddedEngine
+
+            engine = EmbeddedEngine(str(policy_dir), max_batch_size=rollout.batch_size)
+        else:
+            from tasks.engines.sglang import SGLangEngine
+
+            engine = SGLangEngine(rollout.sglang, str(policy_dir))
+        _ENGINES[key] = engine
+    else:
+        engine.load_weights(str(policy_dir))
+    return engine
+
+
+def render_prompt_ids(tokenizer: Any, messages: list[dict[str, str]], chat_template_kwargs: dict) -> list[int]:
+    """Token ids of `messages` under the tokenizer's own chat template, ending in the assistant header."""
+    out = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=True, **chat_template_kwargs
+    )
+    return [int(i) for i in out["input_ids"]]
+
+
+def effective_top_k(cfg: RunConfig, vocab_size: int) -> int:
+    """K ids recorded per token: the configured top-K, or the whole vocabulary for `full`."""
+    if cfg.loss.divergence == "full":
+        return vocab_size
+    if cfg.rollout.top_k > vocab_size:
+        raise ValueError(f"rollout.top_k={cfg.rollout.top_k} exceeds the vocabulary ({vocab_size} ids)")
+    return cfg.rollout.top_k
+
+
+def verify(cfg: RunConfig, response_text: str, label: str, *, truncated: bool):
+    if cfg.verifier.name == "arithmetic":
+        from sdpo_core.verifiers.arithmetic import verify as arithmetic_verify
+
+        return arithmetic_verify(response_text, label, truncated=truncated, **cfg.verifier.kwargs)
+    raise ValueError(f"verifier.name={cfg.verifier.name!r} is not a known verifier")
+
+
+def sample_groups(
+    run: Run,
+    *,
+    rows: list[dict[str, Any]],
+    policy_dir: Path,
+    n: int,
+    temperature: float,
+    top_p: float,
+    seed: int,
+    progress: bool = True,
+) -> tuple[dict[str, Any], dict[str, float]]:
+    """Sample `n` answers for each row and verify them. Returns (columns, metrics)."""
+    from transformers import AutoTokenizer
+
+    cfg = run.cfg
+    tokenizer = AutoTokenizer.from_pretrained(str(policy_dir))
+    engine = get_engine(cfg.rollout, policy_dir, cache_key=run.url)
+    prompt_ids = [render_prompt_ids(tokenizer, r["prompt_messages"], cfg.model.chat_template_kwargs) for r in rows]
+    k = effective_top_k(cfg, len(tokenizer))
+    stop_ids = [int(tokenizer.eos_token_id)]
+
+    started = time.perf_counter()
+    generations = engine.generate(
+        prompt_ids,
+        n=n,
+        temperature=temperature,
+        top_p=top_p,
+        max_new_tokens=cfg.rollout.max_new_tokens,
+        stop_token_ids=stop_ids,
+        top_k_logprobs=k,
+        seed=seed,
+        progress=progress,
+    )
+    gen_seconds = time.perf_counter() - started
+
+    cols: dict[str, list[Any]] = {name: [] for name in _ROLLOUT_COLUMNS}
+    sample_id = 0
+    for group_id, (row, ids, group) in enumerate(zip(rows, prompt_ids, generations, strict=True)):
+        for gen in group:
+            text = tokenizer.decode(gen.response_ids, skip_special_tokens=True)
+            verdict = verify(cfg, text, row["label"], truncated=gen.finish_reason == "length")
+            cols["sample_id"].append(sample_id)
+            cols["group_id"].append(group_id)
+            cols["prompt_id"].append(str(row["prompt_id"]))
+            cols["prompt_messages"].append(row["prompt_messages"])
+            cols["prompt_ids"].append(ids)
+            cols["response_ids"].append(list(gen.response_ids))
+            cols["response_text"].append(text)
+            cols["sampled_logprobs"].append(np.asarray(gen.sampled_logprobs, dtype=np.float32))
+            cols["topk_ids"].append(np.asarray(gen.topk_ids, dtype=np.int32))
+            cols["topk_logprobs"].append(np.asarray(gen.topk_logprobs, dtype=np.float32))
+            cols["finish_reason"].append(gen.finish_reason)
+            cols["reward"].append(float(verdict.reward))
+            cols["feedback"].append(verdict.feedback)
+            cols["format_error"].append(bool(verdict.format_error))
+            cols["label"].append(str(row["label"]))
+            cols["data_source"].append(str(row["data_source"]))
+            cols["teacher_prompt"].append(row.get("teacher_prompt"))
+            cols["extra_json"].append(json.dumps(row.get("metadata", {}), sort_keys=True))
+            sample_id += 1
+
+    rewards = np.asarray(cols["reward"], dtype=np.float64)
+    lengths = np.asarray([len(r) for r in cols["response_ids"]], dtype=np.float64)
+    tokens = float(lengths.sum())
+    metrics = {
+        "rollout/reward_mean": float(rewards.mean()),
+        "rollout/accuracy": float((rewards >= 1.0).mean()),
+        "rollout/response_length_mean": float(lengths.mean()),
+        "rollout/truncated_fraction": float(np.mean([f == "length" for f in cols["finish_reason"]])),
+        "rollout/format_error_fraction": float(np.mean(cols["format_error"])),
+        "rollout/tokens": tokens,
+        "rollout/seconds": gen_seconds,
+        "rollout/tokens_per_second": tokens / max(gen_seconds, 1e-9),
+    }
+    return cols, metrics
+
+
+_ROLLOUT_COLUMNS = (
+    "sample_id",
+    "group_id",
+    "prompt_id",
+    "prompt_messages",
+    "prompt_ids",
+    "response_ids",
+    "response_text",
+    "sampled_logprobs",
+    "topk_ids",
+    "topk_logprobs",
+    "finish_reason",
+    "reward",
+    "feedback",
+    "format_error",
+    "label",
+    "data_source",
+    "teacher_prompt",
+    "extra_json",
+)
+
+
+def run_rollout(root: str, run_name: str, iteration: int, storage_options: dict | None = None) -> dict:
+    """Rollout stage of `iteration`: returns its manifest (skips when already committed)."""
+    from storage.manifest import read_stage_manifest, stage_done
+    from storage.shards import write_stage
+    from tasks.data import iteration_prompts, load_splits
+    from tasks.runtime import open_run
+
+    run = open_run(root, run_name, storage_options)
+    cfg = run.cfg
+    if stage_done(run.layout, iteration, "rollout"):
+        logger.info("iteration %d rollout already committed; reusing it", iteration)
+        return read_stage_manifest(run.layout, iteration, "rollout")
+
+    started = time.perf_counter()
+    train_rows, _ = load_splits(cfg.data, seed=cfg.seed)
+    rows = iteration_prompts(
+        train_rows, iteration=iteration, per_iteration=cfg.data.prompts_per_iteration, seed=cfg.seed
+    )
+    policy_dir = checkpoint_dir(run, iteration - 1, "policy")
+    columns, metrics = sample_groups(
+        run,
+        rows=rows,
+        policy_dir=policy_dir,
+        n=cfg.rollout.group_size,
+        temperature=cfg.rollout.temperature,
+        top_p=cfg.rollout.top_p,
+        seed=cfg.seed * 1_000_003 + iteration,
+    )
+    metrics["rollout/stage_seconds"] = time.perf_counter() - started
+    return write_stage(
+        run.layout,
+        iteration,
+        "rollout",
+        columns,
+        logprob_dtype=cfg.storage.logprob_dtype,
+        parents=[],
+        metrics=metrics,
+    )

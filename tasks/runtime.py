@@ -1,0 +1,70 @@
+"""What every stage needs to start: the run's layout, its frozen config, local checkpoint copies.
+
+Stages receive `(root, run, iteration)` and re-open the run from the store, so a stage can run in
+any process or on any worker that reaches the store.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from storage.checkpoints import download_checkpoint
+from storage.layout import RunLayout, read_run_config
+from tasks.config import RunConfig, build_config
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Run:
+    layout: RunLayout
+    cfg: RunConfig
+
+    @property
+    def url(self) -> str:
+        return self.layout.run_url
+
+
+def open_run(root: str, run: str, storage_options: dict[str, Any] | None = None) -> Run:
+    """Open an existing run: its layout and the config frozen in run.json."""
+    layout = RunLayout(root, run, storage_options=storage_options or None)
+    cfg = build_config(read_run_config(layout))
+    return Run(layout=layout, cfg=cfg)
+
+
+def checkpoint_dir(run: Run, iteration: int, kind: str) -> Path:
+    """A verified local copy of checkpoint `kind` ('policy' / 'teacher') written by `iteration`.
+
+    Iteration 0 is the initial model. A teacher that was never written separately (static and
+    live teachers) resolves to the policy it equals.
+    """
+    return download_checkpoint(
+        run.layout,
+        f"iter-{iteration}",
+        kind,
+        cache_dir=run.cfg.storage.cache_dir,
+        verify=run.cfg.storage.verify_sha256,
+    )
+
+
+def teacher_source(run: Run, iteration: int) -> tuple[Path, Path | None]:
+    """(teacher weights, reference weights or None) used to score iteration `iteration`.
+
+    static: the initial policy. live: the current policy. ema: the EMA teacher written by the
+    previous iteration. trust-region: the current policy mixed with the initial one at the logit
+    level, so both are returned.
+    """
+    mode = run.cfg.teacher.update
+    previous = iteration - 1
+    if mode == "static":
+        return checkpoint_dir(run, 0, "policy"), None
+    if mode == "live":
+        return checkpoint_dir(run, previous, "policy"), None
+    if mode == "ema":
+        return checkpoint_dir(run, previous, "teacher"), None
+    if mode == "trust-region":
+        return checkpoint_dir(run, previous, "policy"), checkpoint_dir(run, 0, "policy")
+    raise ValueError(f"teacher.update={mode!r} is not a known update mode")

@@ -1,0 +1,152 @@
+"""Feedback + teacher-prefill stage.
+
+Groups the rollout rows, asks the configured feedback class for each sample's teacher messages and
+mask, renders them with the student's chat template, and scores `teacher_prompt_ids +
+response_ids` with the teacher weights (forward only), gathering log-probs on the student's top-K
+ids and on the sampled token. The response ids are never re-tokenised. GRPO advantages are
+computed here too, so the trainer receives every per-sample decision as a column.
+
+Output: `iter-<n>/teacher` shards = rollout columns + teacher columns, and the stage manifest.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+from typing import Any
+
+import numpy as np
+
+from tasks.runtime import Run
+
+logger = logging.getLogger(__name__)
+
+def build_contexts(run: Run, columns: dict[str, Any]) -> tuple[list[Any], dict[str, float]]:
+    """Teacher contexts for every rollout row, in row order, and the context metrics."""
+    from sdpo_core.feedback import RelaxSDPOFeedback, SDPOFeedback, load_feedback
+    from sdpo_core.metrics import teacher_context_metrics, warn_if_inactive
+    from sdpo_core.records import SampleRecord
+
+    cfg = run.cfg
+    policy = load_feedback(cfg.teacher.feedback, dict(cfg.teacher.feedback_kwargs))
+    samples = [
+        SampleRecord(
+            sample_id=int(columns["sample_id"][i]),
+            group_id=int(columns["group_id"][i]),
+            prompt_messages=tuple(dict(m) for m in columns["prompt_messages"][i]),
+            response_text=columns["response_text"][i],
+            reward=float(columns["reward"][i]),
+            feedback=columns["feedback"][i],
+            finish_reason=columns["finish_reason"][i],
+            format_error=bool(columns["format_error"][i]),
+            teacher_prompt=columns["teacher_prompt"][i],
+        )
+        for i in range(len(columns["sample_id"]))
+    ]
+    groups: dict[int, list[SampleRecord]] = defaultdict(list)
+    for sample in samples:
+        groups[sample.group_id].append(sample)
+    by_id = {}
+    for group in groups.values():
+        for ctx in policy.prepare_group(group):
+            by_id[ctx.sample_id] = ctx
+    contexts = [by_id[s.sample_id] for s in samples]
+    # OPD and OPSD have no success threshold; their metrics count perfect answers.
+    threshold = policy.success_threshold if isinstance(policy, (SDPOFeedback, RelaxSDPOFeedback)) else 1.0
+    metrics = teacher_context_metrics(samples, contexts, success_threshold=threshold)
+    warn_if_inactive(metrics, logger=logger)
+    return contexts, metrics
+
+
+def run_teacher(root: str, run_name: str, iteration: int, storage_options: dict | None = None) -> dict:
+    """Teacher stage of `iteration`: returns its manifest (skips when already committed)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from sdpo_core.grpo import group_advantages
+    from storage.manifest import read_stage_manifest, stage_done
+    from storage.shards import read_stage_columns, write_stage
+    from tasks.engines.scorer import score_teacher
+    from tasks.rollout import render_prompt_ids
+    from tasks.runtime import open_run, teacher_source
+
+    run = open_run(root, run_name, storage_options)
+    cfg = run.cfg
+    if stage_done(run.layout, iteration, "teacher"):
+        logger.info("iteration %d teacher stage already committed; reusing it", iteration)
+        return read_stage_manifest(run.layout, iteration, "teacher")
+
+    started = time.perf_counter()
+    parent = read_stage_manifest(run.layout, iteration, "rollout")
+    columns = read_stage_columns(run.layout, iteration, "rollout", verify=cfg.storage.verify_sha256)
+    n_rows = len(columns["sample_id"])
+
+    rewards = torch.as_tensor(np.asarray(columns["reward"], dtype=np.float32))
+    group_ids = torch.as_tensor(np.asarray(columns["group_id"], dtype=np.int64))
+    advantages = group_advantages(rewards, group_ids, normalize_std=cfg.loss.grpo_normalize_std)
+
+    metrics: dict[str, float] = {}
+    teacher_dir, reference_dir = teacher_source(run, iteration)
+    tokenizer = AutoTokenizer.from_pretrained(str(teacher_dir))
+    k = int(columns["topk_ids"][0].shape[1]) if n_rows else cfg.rollout.top_k
+
+    if cfg.loss.type == "grpo":
+        # Pure GRPO needs no teacher: the columns exist (one schema) but carry no signal.
+        teacher_messages = [list(m) for m in columns["prompt_messages"]]
+        teacher_ids = [list(map(int, ids)) for ids in columns["prompt_ids"]]
+        sources = ["none"] * n_rows
+        masks = [False] * n_rows
+        topk_lp = [np.zeros((len(r), k), dtype=np.float32) for r in columns["response_ids"]]
+        token_lp = [np.zeros((len(r),), dtype=np.float32) for r in columns["response_ids"]]
+    else:
+        contexts, ctx_metrics = build_contexts(run, columns)
+        metrics.update(ctx_metrics)
+        teacher_messages = [list(c.messages) for c in contexts]
+        teacher_ids = [
+            render_prompt_ids(tokenizer, msgs, cfg.model.chat_template_kwargs) for msgs in teacher_messages
+        ]
+        sources = [c.source for c in contexts]
+        masks = [bool(c.mask) for c in contexts]
+        model = AutoModelForCausalLM.from_pretrained(str(teacher_dir), dtype=torch.float32).eval()
+        reference = None
+        if reference_dir is not None:
+            reference = AutoModelForCausalLM.from_pretrained(str(reference_dir), dtype=torch.float32).eval()
+        score_started = time.perf_counter()
+        scored = score_teacher(
+            model,
+            sequences=[(t, list(map(int, r))) for t, r in zip(teacher_ids, columns["response_ids"], strict=True)],
+            topk_ids=list(columns["topk_ids"]),
+            batch_tokens=cfg.teacher.batch_tokens,
+            reference_model=reference,
+            trust_region_rate=cfg.teacher.update_rate if reference is not None else None,
+        )
+        score_seconds = time.perf_counter() - score_started
+        topk_lp = [s[0] for s in scored]
+        token_lp = [s[1] for s in scored]
+        scored_tokens = sum(len(t) + len(r) for t, r in zip(teacher_ids, columns["response_ids"], strict=True))
+        metrics["teacher/score_seconds"] = score_seconds
+        metrics["teacher/tokens_per_second"] = scored_tokens / max(score_seconds, 1e-9)
+        metrics["teacher/prompt_length_mean"] = float(np.mean([len(t) for t in teacher_ids])) if n_rows else 0.0
+
+    out = dict(columns)
+    out["teacher_prompt_ids"] = teacher_ids
+    out["teacher_prompt_text"] = [
+        tokenizer.decode(ids, skip_special_tokens=False) for ids in teacher_ids
+    ]
+    out["teacher_source"] = sources
+    out["sample_mask"] = masks
+    out["teacher_topk_logprobs"] = topk_lp
+    out["teacher_sampled_logprobs"] = token_lp
+    out["advantage"] = advantages.numpy().astype(np.float32).tolist()
+    metrics["teacher/sample_mask_fraction"] = float(np.mean(masks)) if n_rows else 0.0
+    metrics["teacher/stage_seconds"] = time.perf_counter() - started
+    return write_stage(
+        run.layout,
+        iteration,
+        "teacher",
+        out,
+        logprob_dtype=cfg.storage.logprob_dtype,
+        parents=[parent],
+        metrics=metrics,
+    )

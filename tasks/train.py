@@ -1,0 +1,417 @@
+"""Training stage on megatron-core: algorithm-blind.
+
+Reads the teacher shards (every per-sample decision arrives as a column: reward, advantage,
+sample mask, the student's top-K ids, the teacher's log-probs on them), recomputes the student's
+log-probs on the same ids with gradients, applies the configured `sdpo_core` loss, steps the
+optimizer, updates the teacher per its mode, and saves the policy (HF safetensors for the engines,
+a Megatron distributed checkpoint with optimizer, scheduler, RNG and data cursor for resuming).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import tempfile
+import time
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tasks.config import RunConfig
+from tasks.runtime import Run
+
+logger = logging.getLogger(__name__)
+
+_TRAINERS: dict[str, "MegatronTrainer"] = {}
+
+
+# ----------------------------------------------------------------------------------------------
+# batches
+
+
+@dataclass
+class Batch:
+    """Padded tensors of one micro-batch. B samples, S = longest prompt+response, T = longest response."""
+
+    tokens: Any  # [B, S] int64, right padded
+    position_ids: Any  # [B, S]
+    response_positions: Any  # [B, T] index into S of the logits predicting response token t
+    response_ids: Any  # [B, T]
+    response_mask: Any  # [B, T] bool
+    topk_ids: Any  # [B, T, K]
+    teacher_topk_logprobs: Any  # [B, T, K]
+    teacher_token_logprobs: Any  # [B, T]
+    old_token_logprobs: Any  # [B, T] behaviour policy (rollout engine)
+    advantages: Any  # [B]
+    sample_mask: Any  # [B] bool
+
+
+def make_batch(columns: dict[str, Any], rows: list[int]) -> Batch:
+    """Pad the given rows of the teacher columns into one micro-batch (no per-token Python loops)."""
+    import torch
+
+    prompts = [np.asarray(columns["prompt_ids"][i], dtype=np.int64) for i in rows]
+    responses = [np.asarray(columns["response_ids"][i], dtype=np.int64) for i in rows]
+    k = int(np.asarray(columns["topk_ids"][rows[0]]).shape[-1])
+    b = len(rows)
+    s = max(len(p) + len(r) for p, r in zip(prompts, responses, strict=True))
+    t = max(1, max(len(r) for r in responses))
+    tokens = np.zeros((b, s), dtype=np.int64)
+    resp_pos = np.zeros((b, t), dtype=np.int64)
+    resp_ids = np.zeros((b, t), dtype=np.int64)
+    mask = np.zeros((b, t), dtype=bool)
+    topk_ids = np.zeros((b, t, k), dtype=np.int64)
+    teacher_topk = np.zeros((b, t, k), dtype=np.float32)
+    teacher_tok = np.zeros((b, t), dtype=np.float32)
+    old_tok = np.zeros((b, t), dtype=np.float32)
+    for j, (i, p, r) in enumerate(zip(rows, prompts, responses, strict=True)):
+        n_p, n_r = len(p), len(r)
+        tokens[j, :n_p] = p
+        tokens[j, n_p : n_p + n_r] = r
+        resp_pos[j, :n_r] = np.arange(n_p - 1, n_p - 1 + n_r)
+        resp_ids[j, :n_r] = r
+        mask[j, :n_r] = True
+        topk_ids[j, :n_r] = np.asarray(columns["topk_ids"][i])
+        teacher_topk[j, :n_r] = np.asarray(columns["teacher_topk_logprobs"][i])
+        teacher_tok[j, :n_r] = np.asarray(columns["teacher_sampled_logprobs"][i])
+        old_tok[j, :n_r] = np.asarray(columns["sampled_logprobs"][i])
+    positions = np.broadcast_to(np.arange(s, dtype=np.int64), (b, s)).copy()
+    return Batch(
+        tokens=torch.from_numpy(tokens),
+        position_ids=torch.from_numpy(positions),
+        response_positions=torch.from_numpy(resp_pos),
+        response_ids=torch.from_numpy(resp_ids),
+        response_mask=torch.from_numpy(mask),
+        topk_ids=torch.from_numpy(topk_ids),
+        teacher_topk_logprobs=torch.from_numpy(teacher_topk),
+        teacher_token_logprobs=torch.from_numpy(teacher_tok),
+        old_token_logprobs=torch.from_numpy(old_tok),
+        advantages=torch.as_tensor(np.asarray([columns["advantage"][i] for i in rows], dtype=np.float32)),
+        sample_mask=torch.as_tensor(np.asarray([bool(columns["sample_mask"][i]) for i in rows])),
+    )
+
+
+def mini_batch_denominators(cfg: RunConfig, full: Batch) -> tuple[Any, Any]:
+    """(SDPO, GRPO) loss normalisers of a whole mini-batch; GRPO counts every sample."""
+    import torch
+
+    from sdpo_core.losses import loss_denominator
+
+    kw = {"reduction": cfg.loss.mask_reduction, "aggregation": cfg.loss.aggregation}
+    sdpo = loss_denominator(full.response_mask, full.sample_mask, **kw)
+    grpo = loss_denominator(full.response_mask, torch.ones_like(full.sample_mask), **kw)
+    return sdpo, grpo
+
+
+def minibatch_rows(n_rows: int, *, steps: int, seed: int, iteration: int) -> list[list[int]]:
+    """The rows of each optimizer step: a seeded shuffle split into `steps` equal mini-batches."""
+    if n_rows % steps:
+        raise ValueError(f"{n_rows} samples cannot be split into {steps} equal mini-batches")
+    order = list(range(n_rows))
+    random.Random(f"train:{seed}:{iteration}").shuffle(order)
+    size = n_rows // steps
+    return [order[i * size : (i + 1) * size] for i in range(steps)]
+
+
+# ----------------------------------------------------------------------------------------------
+# the trainer
+
+
+class MegatronTrainer:
+    """A megatron-core GPTModel with its DDP wrapper, optimizer and LR schedule, kept per process."""
+
+    def __init__(self, cfg: RunConfig, hf_dir: Path) -> None:
+        import torch
+        from transformers import AutoConfig
+
+        from tasks.megatron.convert import load_hf_into_megatron
+        from tasks.megatron.model import build_gpt_model
+        from tasks.megatron.parallel import init_parallel
+
+        self.cfg = cfg
+        init_parallel(tensor_parallel=cfg.train.tensor_parallel, seed=cfg.seed)
+        self.hf_config = AutoConfig.from_pretrained(str(hf_dir))
+        dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
+        model = build_gpt_model(self.hf_config, params_dtype=dtype)
+        load_hf_into_megatron(model, str(hf_dir))
+        self.vocab_size = int(self.hf_config.vocab_size)
+        self._wrap(model)
+        self.iteration = 0  # the iteration whose output these weights are
+
+    def _wrap(self, model: Any) -> None:
+        import torch
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        opt = self.cfg.optimizer
+        bf16 = self.cfg.model.dtype == "bfloat16"
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
+        )
+        self.model = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer="adam",
+                lr=opt.lr,
+                min_lr=opt.lr * opt.min_lr_ratio,
+                weight_decay=opt.weight_decay,
+                adam_beta1=opt.betas[0],
+                adam_beta2=opt.betas[1],
+                clip_grad=opt.grad_clip,
+                bf16=bf16,
+                params_dtype=torch.bfloat16 if bf16 else torch.float32,
+            ),
+            [self.model],
+        )
+        total_steps = max(1, self.cfg.iterations * self.cfg.train.steps_per_iteration)
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer,
+            init_lr=0.0 if opt.warmup_steps else opt.lr,
+            max_lr=opt.lr,
+            min_lr=opt.lr * opt.min_lr_ratio if opt.schedule == "cosine" else opt.lr,
+            lr_warmup_steps=opt.warmup_steps,
+            lr_decay_steps=max(total_steps, opt.warmup_steps + 1),
+            lr_decay_style="cosine" if opt.schedule == "cosine" else "constant",
+            start_wd=opt.weight_decay,
+            end_wd=opt.weight_decay,
+            wd_incr_steps=total_steps,
+            wd_incr_style="constant",
+        )
+
+    # -- one iteration -------------------------------------------------------------------------
+
+    def _loss_func(
+        self, batch: Batch, denominators: tuple[Any, Any], scale: float, logits: Any
+    ) -> tuple[Any, dict[str, Any]]:
+        import torch
+
+        from sdpo_core.losses import LossInputs, policy_loss
+
+        cfg = self.cfg
+        logits = logits[..., : self.vocab_size].float()  # Megatron may pad the vocabulary
+        index = batch.response_positions.unsqueeze(-1).expand(-1, -1, logits.shape[-1])
+        resp_logits = torch.gather(logits, 1, index)  # [B, T, V]
+        lse = torch.logsumexp(resp_logits, dim=-1, keepdim=True)  # [B, T, 1]
+        student_topk = torch.gather(resp_logits, -1, batch.topk_ids) - lse  # [B, T, K]
+        student_tok = torch.gather(resp_logits, -1, batch.response_ids.unsqueeze(-1)).squeeze(-1) - lse.squeeze(-1)
+        out = policy_loss(
+            LossInputs(
+                student_topk_logprobs=student_topk,
+                teacher_topk_logprobs=batch.teacher_topk_logprobs,
+                student_token_logprobs=student_tok,
+                old_token_logprobs=batch.old_token_logprobs,
+                teacher_token_logprobs=batch.teacher_token_logprobs,
+                advantages=batch.advantages,
+                response_mask=batch.response_mask,
+                sample_mask=batch.sample_mask,
+                sdpo_denominator=denominators[0],
+                grpo_denominator=denominators[1],
+            ),
+            loss_type=cfg.loss.type,
+            divergence="topk_tail" if cfg.loss.divergence == "full" else cfg.loss.divergence,
+            alpha=cfg.loss.alpha,
+            blend_lambda=1.0 if cfg.loss.type == "grpo" else cfg.loss.blend_lambda,
+            is_clip=cfg.loss.is_clip,
+            reduction=cfg.loss.mask_reduction,
+            aggregation=cfg.loss.aggregation,
+            clip_low=cfg.loss.clip_low,
+            clip_high=cfg.loss.clip_high,
+        )
+        metrics = {name: torch.tensor(float(value)) for name, value in out.metrics.items()}
+        return out.loss * scale, metrics
+
+    def train_iteration(self, columns: dict[str, Any], *, iteration: int) -> dict[str, float]:
+        import torch
+        from megatron.core import parallel_state
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        cfg = self.cfg
+        n_rows = len(columns["sample_id"])
+        dp_rank = parallel_state.get_data_parallel_rank()
+        dp_size = parallel_state.get_data_parallel_world_size()
+        step_metrics: list[dict[str, float]] = []
+        for rows in minibatch_rows(n_rows, steps=cfg.train.steps_per_iteration, seed=cfg.seed, iteration=iteration):
+            local = rows[dp_rank::dp_size]
+            micro = [local[i : i + cfg.train.micro_batch_size] for i in range(0, len(local), cfg.train.micro_batch_size)]
+            batches = [make_batch(columns, m) for m in micro]
+            # Every micro-batch divides by the whole mini-batch's normaliser, so the summed
+            # gradient equals that of the mini-batch loss; Megatron divides each micro-batch loss
+            # by their count and DDP averages over data-parallel ranks, both undone by `scale`.
+            full = make_batch(columns, rows)
+            denominators = mini_batch_denominators(cfg, full)
+            scale = float(len(batches) * dp_size)
+            data = iter(batches)
+
+            def forward_step(data_iterator: Any, model: Any) -> tuple[Any, Any]:
+                batch = next(data_iterator)
+                logits = model(batch.tokens, batch.position_ids, None)
+                return logits, partial(self._loss_func, batch, denominators, scale)
+
+            self.model.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            reduced = get_forward_backward_func()(
+                forward_step_func=forward_step,
+                data_iterator=data,
+                model=[self.model],
+                num_microbatches=len(batches),
+                seq_length=int(max(b.tokens.shape[1] for b in batches)),
+                micro_batch_size=cfg.train.micro_batch_size,
+                forward_only=False,
+            )
+            update_ok, grad_norm, _ = self.optimizer.step()
+            if not update_ok:
+                raise RuntimeError(f"optimizer step failed at iteration {iteration} (grad norm {grad_norm})")
+            self.scheduler.step(increment=1)
+            merged: dict[str, float] = {}
+            for name in reduced[0]:
+                merged[name] = float(torch.stack([r[name] for r in reduced]).mean())
+            merged["train/grad_norm"] = float(grad_norm)
+            merged["train/lr"] = float(self.optimizer.param_groups[0]["lr"])
+            step_metrics.append(merged)
+        self.iteration = iteration
+        return {name: float(np.mean([m[name] for m in step_metrics])) for name in step_metrics[0]}
+
+    # -- persistence ---------------------------------------------------------------------------
+
+    def save_hf(self, out_dir: Path, tokenizer_dir: Path) -> None:
+        from tasks.megatron.convert import save_megatron_as_hf
+
+        save_megatron_as_hf(self.model.module, self.hf_config, str(out_dir), tokenizer_dir=str(tokenizer_dir))
+
+    def save_megatron(self, out_dir: Path, *, iteration: int) -> None:
+        import torch
+        from megatron.core import dist_checkpointing
+
+        out_dir.mkdir(parents=True, exist_ok=True)
+        state = self.model.module.sharded_state_dict(prefix="model.")
+        state["optimizer"] = self.optimizer.sharded_state_dict(state)
+        dist_checkpointing.save(state, str(out_dir))
+        extra = {
+            "scheduler": self.scheduler.state_dict(),
+            "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()},
+            "iteration": iteration,
+        }
+        torch.save(extra, out_dir / "trainer_state.pt")
+        (out_dir / "cursor.json").write_text(json.dumps({"iteration": iteration}))
+
+    def load_megatron(self, ckpt_dir: Path) -> None:
+        import torch
+        from megatron.core import dist_checkpointing
+
+        state = self.model.module.sharded_state_dict(prefix="model.")
+        state["optimizer"] = self.optimizer.sharded_state_dict(state)
+        loaded = dist_checkpointing.load(state, str(ckpt_dir))
+        model_state = {k.removeprefix("model."): v for k, v in loaded.items() if k.startswith("model.")}
+        self.model.module.load_state_dict(model_state, strict=False)
+        self.optimizer.load_state_dict(loaded["optimizer"])
+        extra = torch.load(ckpt_dir / "trainer_state.pt", weights_only=False)
+        self.scheduler.load_state_dict(extra["scheduler"])
+        torch.set_rng_state(extra["rng"]["torch"])
+        random.setstate(extra["rng"]["python"])
+        np.random.set_state(extra["rng"]["numpy"])
+        self.iteration = int(extra["iteration"])
+
+
+def get_trainer(run: Run, iteration: int) -> MegatronTrainer:
+    """A trainer holding the state after iteration-1: reused in process, else resumed from the store."""
+    from storage.checkpoints import checkpoint_exists
+    from tasks.runtime import checkpoint_dir
+
+    trainer = _TRAINERS.get(run.url)
+    if trainer is not None and trainer.iteration == iteration - 1:
+        return trainer
+    policy_dir = checkpoint_dir(run, iteration - 1, "policy")
+    trainer = MegatronTrainer(run.cfg, policy_dir)
+    if iteration - 1 > 0:
+        if checkpoint_exists(run.layout, f"iter-{iteration - 1}", "megatron"):
+            trainer.load_megatron(checkpoint_dir(run, iteration - 1, "megatron"))
+        else:
+            logger.warning(
+                "no Megatron checkpoint for iteration %d: resuming from its HF weights with a fresh "
+                "optimizer state (set train.megatron_checkpoint_every=1 to resume exactly)",
+                iteration - 1,
+            )
+            trainer.iteration = iteration - 1
+    _TRAINERS[run.url] = trainer
+    return trainer
+
+
+def update_teacher(run: Run, iteration: int, policy_dir: Path, out_dir: Path) -> bool:
+    """Write the EMA teacher of `iteration` into out_dir; False when the mode keeps no teacher copy."""
+    if run.cfg.teacher.update != "ema":
+        return False
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from sdpo_core.teacher_update import ema_update_
+    from tasks.runtime import checkpoint_dir
+
+    previous = checkpoint_dir(run, iteration - 1, "teacher")
+    teacher = load_file(str(previous / "model.safetensors"))
+    student = load_file(str(policy_dir / "model.safetensors"))
+    ema_update_(teacher, student, rate=run.cfg.teacher.update_rate)
+    shutil.copytree(policy_dir, out_dir, dirs_exist_ok=True)
+    save_file(teacher, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    return True
+
+
+def run_train(root: str, run_name: str, iteration: int, storage_options: dict | None = None) -> dict:
+    """Training stage of `iteration`: returns its manifest (skips when already committed)."""
+    from storage.checkpoints import upload_checkpoint
+    from storage.manifest import read_stage_manifest, stage_done, write_stage_manifest
+    from storage.shards import read_stage_columns
+    from tasks.runtime import open_run
+
+    run = open_run(root, run_name, storage_options)
+    cfg = run.cfg
+    if stage_done(run.layout, iteration, "train"):
+        logger.info("iteration %d training already committed; reusing it", iteration)
+        return read_stage_manifest(run.layout, iteration, "train")
+
+    started = time.perf_counter()
+    parent = read_stage_manifest(run.layout, iteration, "teacher")
+    columns = read_stage_columns(run.layout, iteration, "teacher", verify=cfg.storage.verify_sha256)
+    trainer = get_trainer(run, iteration)
+    train_started = time.perf_counter()
+    metrics = trainer.train_iteration(columns, iteration=iteration)
+    metrics["train/seconds"] = time.perf_counter() - train_started
+    tokens = float(sum(len(r) for r in columns["response_ids"]) + sum(len(p) for p in columns["prompt_ids"]))
+    metrics["train/tokens_per_second"] = tokens / max(metrics["train/seconds"], 1e-9)
+
+    from tasks.runtime import checkpoint_dir
+
+    base_dir = checkpoint_dir(run, iteration - 1, "policy")
+    with tempfile.TemporaryDirectory(prefix="sdpo-ckpt-") as tmp:
+        tmp_path = Path(tmp)
+        policy_dir = tmp_path / "policy"
+        trainer.save_hf(policy_dir, base_dir)
+        policy_manifest = upload_checkpoint(
+            policy_dir, run.layout, iteration, "policy", parent=f"iter-{iteration - 1}", trained_on=[parent]
+        )
+        produced = [policy_manifest]
+        teacher_dir = tmp_path / "teacher"
+        if update_teacher(run, iteration, policy_dir, teacher_dir):
+            produced.append(
+                upload_checkpoint(
+                    teacher_dir, run.layout, iteration, "teacher", parent=f"iter-{iteration - 1}", trained_on=[parent]
+                )
+            )
+        last = iteration == cfg.iterations
+        if last or iteration % cfg.train.megatron_checkpoint_every == 0:
+            save_started = time.perf_counter()
+            mdir = tmp_path / "megatron"
+            trainer.save_megatron(mdir, iteration=iteration)
+            produced.append(
+                upload_checkpoint(
+                    mdir, run.layout, iteration, "megatron", parent=f"iter-{iteration - 1}", trained_on=[parent]
+                )
+            )
+            metrics["train/megatron_save_seconds"] = time.perf_counter() - save_started
+    metrics["train/stage_seconds"] = time.perf_counter() - started
+    return write_stage_manifest(run.layout, iteration, "train", parents=[parent, *produced], metrics=metrics)

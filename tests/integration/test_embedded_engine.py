@@ -1,0 +1,226 @@
+import numpy as np
+import pytest
+import torch
+
+from tasks.bootstrap import build_model, build_tokenizer, prompt_ids
+from tasks.engines.base import Generation, RolloutEngine
+from tasks.engines.embedded import EmbeddedEngine
+
+MESSAGES = [
+    [{"role": "user", "content": "3+4="}],
+    [{"role": "user", "content": "12+345="}],
+    [{"role": "system", "content": "Add."}, {"role": "user", "content": "7+8="}],
+]
+
+
+def make_checkpoint(path, *, seed, sharpness):
+    tokenizer = build_tokenizer(path)
+    model = build_model(
+        tokenizer, hidden=32, layers=2, heads=4, kv_heads=2, intermediate=64, max_positions=64, seed=seed
+    )
+    with torch.no_grad():
+        # a random model is nearly uniform; scaling the head gives peaked, tie-free distributions
+        model.lm_head.weight.mul_(sharpness)
+    model.save_pretrained(path)
+    return tokenizer
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("ckpt")
+    tokenizer = make_checkpoint(path, seed=0, sharpness=40.0)
+    return path, tokenizer
+
+
+@pytest.fixture(scope="module")
+def engine(checkpoint):
+    path, _ = checkpoint
+    engine = EmbeddedEngine(str(path), max_batch_size=4)
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def prompts(checkpoint):
+    _, tokenizer = checkpoint
+    ids = [prompt_ids(tokenizer, m) for m in MESSAGES]
+    assert len({len(p) for p in ids}) == 3  # distinct lengths exercise the left padding
+    return ids
+
+
+def sample(engine, prompts, **overrides):
+    kwargs = dict(
+        n=3, temperature=1.0, top_p=1.0, max_new_tokens=6, stop_token_ids=[], top_k_logprobs=5, seed=0
+    )
+    kwargs.update(overrides)
+    return engine.generate(prompts, **kwargs)
+
+
+def full_logprobs(engine, prompt, response):
+    """log_softmax of a plain unpadded forward at the positions predicting each response token: [T, V]."""
+    ids = torch.tensor([prompt + response])
+    with torch.no_grad():
+        logits = engine.model(input_ids=ids).logits[0].float()
+    return torch.log_softmax(logits[len(prompt) - 1 : len(prompt) - 1 + len(response)], dim=-1)
+
+
+def test_engine_satisfies_the_interface(engine):
+    assert isinstance(engine, RolloutEngine)
+
+
+def test_shapes_and_dtypes(engine, prompts):
+    out = sample(engine, prompts)
+    assert len(out) == len(prompts) and all(len(group) == 3 for group in out)
+    for group in out:
+        for gen in group:
+            assert isinstance(gen, Generation)
+            num_tokens = len(gen.response_ids)
+            assert num_tokens == 6 and gen.finish_reason == "length"
+            assert gen.sampled_logprobs.shape == (num_tokens,) and gen.sampled_logprobs.dtype == np.float32
+            assert gen.topk_ids.shape == (num_tokens, 5) and gen.topk_ids.dtype == np.int32
+            assert gen.topk_logprobs.shape == (num_tokens, 5) and gen.topk_logprobs.dtype == np.float32
+            assert np.all(np.diff(gen.topk_logprobs, axis=1) <= 0)  # most likely first
+            assert np.all(gen.sampled_logprobs <= 0)
+
+
+def test_same_seed_same_samples_and_different_seeds_differ(engine, prompts):
+    first = sample(engine, prompts, seed=7)
+    again = sample(engine, prompts, seed=7)
+    other = sample(engine, prompts, seed=8)
+    ids = lambda out: [[g.response_ids for g in group] for group in out]  # noqa: E731
+    assert ids(first) == ids(again)
+    assert ids(first) != ids(other)
+    for a, b in zip(first, again, strict=True):
+        for x, y in zip(a, b, strict=True):
+            np.testing.assert_array_equal(x.sampled_logprobs, y.sampled_logprobs)
+
+
+def test_samples_do_not_depend_on_batch_composition(checkpoint, engine, prompts):
+    path, _ = checkpoint
+    one_at_a_time = EmbeddedEngine(str(path), max_batch_size=1)
+    batched = sample(engine, prompts, seed=3)
+    single = sample(one_at_a_time, prompts, seed=3)
+    alone = sample(one_at_a_time, prompts[1:2], seed=3)  # prompt index 0 here: a different stream
+    assert [[g.response_ids for g in grp] for grp in batched] == [[g.response_ids for g in grp] for grp in single]
+    for a, b in zip(batched, single, strict=True):
+        for x, y in zip(a, b, strict=True):
+            np.testing.assert_allclose(x.topk_logprobs, y.topk_logprobs, atol=1e-5)
+    assert [g.response_ids for g in alone[0]] == [g.response_ids for g in sample(engine, [prompts[1]], seed=3)[0]]
+
+
+def test_samples_within_a_group_differ(engine, prompts):
+    out = sample(engine, prompts, n=4, temperature=1.5)
+    assert any(len({tuple(g.response_ids) for g in group}) > 1 for group in out)
+
+
+def test_greedy_is_the_argmax_continuation_of_a_full_forward(engine, prompts):
+    out = sample(engine, prompts, n=2, temperature=0.0, max_new_tokens=8)
+    for prompt, group in zip(prompts, out, strict=True):
+        assert group[0].response_ids == group[1].response_ids
+        gen = group[0]
+        logprobs = full_logprobs(engine, prompt, gen.response_ids)
+        assert logprobs.argmax(dim=-1).tolist() == gen.response_ids
+        np.testing.assert_array_equal(gen.topk_ids[:, 0], gen.response_ids)
+
+
+def test_logprobs_match_a_full_forward_log_softmax(engine, prompts):
+    out = sample(engine, prompts, top_k_logprobs=7, temperature=1.3, top_p=0.9, seed=11)
+    for prompt, group in zip(prompts, out, strict=True):
+        for gen in group:
+            logprobs = full_logprobs(engine, prompt, gen.response_ids)  # raw distribution, temperature 1
+            ids = torch.as_tensor(gen.topk_ids, dtype=torch.long)
+            np.testing.assert_allclose(gen.topk_logprobs, logprobs.gather(-1, ids).numpy(), atol=1e-5)
+            np.testing.assert_allclose(gen.topk_logprobs, logprobs.topk(7).values.numpy(), atol=1e-5)
+            sampled = logprobs.gather(-1, torch.tensor(gen.response_ids)[:, None])[:, 0]
+            np.testing.assert_allclose(gen.sampled_logprobs, sampled.numpy(), atol=1e-5)
+
+
+def test_stop_token_ends_the_sequence_and_is_kept(engine, prompts):
+    greedy = sample(engine, prompts, n=1, temperature=0.0, max_new_tokens=8)
+    reference = greedy[1][0].response_ids
+    stop = reference[2]
+    cut = reference.index(stop) + 1
+    out = sample(engine, prompts, n=1, temperature=0.0, max_new_tokens=8, stop_token_ids=[stop])
+    gen = out[1][0]
+    assert gen.response_ids == reference[:cut]
+    assert gen.finish_reason == "stop"
+    assert gen.topk_ids.shape[0] == cut
+    for group, full in zip(out, greedy, strict=True):  # the other rows of the batch are unaffected
+        ids = full[0].response_ids
+        expected = ids[: ids.index(stop) + 1] if stop in ids else ids
+        assert group[0].response_ids == expected
+        assert group[0].finish_reason == ("stop" if stop in ids else "length")
+
+
+def test_every_token_a_stop_token_gives_one_token_responses(engine, prompts):
+    vocab = engine.model.config.vocab_size
+    out = sample(engine, prompts, stop_token_ids=list(range(vocab)))
+    assert all(len(g.response_ids) == 1 and g.finish_reason == "stop" for group in out for g in group)
+
+
+def test_max_new_tokens_gives_length(engine, prompts):
+    out = sample(engine, prompts, max_new_tokens=3)
+    assert all(len(g.response_ids) == 3 and g.finish_reason == "length" for group in out for g in group)
+
+
+def test_tiny_top_p_is_greedy(engine, prompts):
+    greedy = sample(engine, prompts, n=1, temperature=0.0)
+    nucleus = sample(engine, prompts, n=4, temperature=2.0, top_p=1e-6)
+    for g_group, n_group in zip(greedy, nucleus, strict=True):
+        assert all(g.response_ids == g_group[0].response_ids for g in n_group)
+
+
+def test_top_p_samples_stay_inside_the_nucleus(engine, prompts):
+    vocab = engine.model.config.vocab_size
+    top_p = 0.6
+    out = sample(engine, prompts, n=8, top_p=top_p, top_k_logprobs=vocab, max_new_tokens=4, seed=5)
+    for group in out:
+        for gen in group:
+            probs = np.exp(gen.topk_logprobs.astype(np.float64))  # [T, V], sorted descending
+            before = np.cumsum(probs, axis=1) - probs
+            for t, token in enumerate(gen.response_ids):
+                nucleus = set(gen.topk_ids[t][before[t] < top_p].tolist())
+                assert token in nucleus
+
+
+def test_sampling_frequencies_follow_the_tempered_distribution(checkpoint, prompts):
+    path, _ = checkpoint
+    engine = EmbeddedEngine(str(path), max_batch_size=512)
+    vocab = engine.model.config.vocab_size
+    for temperature in (1.0, 2.0):
+        out = sample(engine, [prompts[0]], n=2000, temperature=temperature, max_new_tokens=1, top_k_logprobs=vocab)
+        first = out[0][0]
+        probs = np.zeros(vocab)
+        probs[first.topk_ids[0]] = np.exp(first.topk_logprobs[0] / temperature)
+        probs /= probs.sum()
+        counts = np.bincount([g.response_ids[0] for g in out[0]], minlength=vocab)
+        top = np.argsort(probs)[::-1][:3]
+        for token in top:  # within 4.5 standard deviations of the binomial count
+            sd = np.sqrt(2000 * probs[token] * (1 - probs[token]))
+            assert abs(counts[token] - 2000 * probs[token]) <= 4.5 * sd + 1
+
+
+def test_load_weights_switches_weights_and_version(tmp_path, checkpoint, prompts):
+    path, _ = checkpoint
+    other = tmp_path / "other"
+    make_checkpoint(other, seed=1, sharpness=40.0)
+    engine = EmbeddedEngine(str(path), max_batch_size=4)
+    before = sample(engine, prompts, temperature=0.0, n=1)
+    version = engine.weight_version
+    engine.load_weights(str(other))
+    assert engine.weight_version != version
+    after = sample(engine, prompts, temperature=0.0, n=1)
+    assert [g[0].response_ids for g in before] != [g[0].response_ids for g in after]
+    engine.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        sample(engine, prompts)
+
+
+def test_prompt_longer_than_the_position_limit_is_rejected(engine):
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        sample(engine, [[5] * 60], max_new_tokens=8)
+
+
+def test_missing_checkpoint_is_rejected(tmp_path):
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        EmbeddedEngine(str(tmp_path), max_batch_size=1)

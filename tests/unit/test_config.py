@@ -1,0 +1,110 @@
+import subprocess
+import sys
+
+import pytest
+
+from tasks.config import ConfigError, apply_overrides, config_hash, flatten, load_config
+
+
+def write(tmp_path, text):
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_defaults_follow_the_paper_code():
+    cfg = load_config(None)
+    assert cfg.loss.alpha == 0.5
+    assert cfg.loss.divergence == "topk_tail"
+    assert cfg.loss.is_clip == 2.0
+    assert cfg.loss.mask_reduction == "dilute"
+    assert cfg.teacher.update == "ema" and cfg.teacher.update_rate == 0.05
+    assert cfg.rollout.group_size == 8
+
+
+def test_yaml_and_dotted_overrides_compose(tmp_path):
+    path = write(tmp_path, "name: r1\nloss:\n  alpha: 0.25\nrollout:\n  group_size: 4\n")
+    cfg = load_config(path, ["loss.alpha=0.75", "rollout.top_k=8", "loss.is_clip=null"])
+    assert cfg.name == "r1"
+    assert cfg.loss.alpha == 0.75
+    assert cfg.rollout.group_size == 4
+    assert cfg.rollout.top_k == 8
+    assert cfg.loss.is_clip is None
+
+
+def test_unknown_key_names_the_field(tmp_path):
+    path = write(tmp_path, "loss:\n  alhpa: 0.5\n")
+    with pytest.raises(ConfigError, match=r"loss\.alhpa: unknown key"):
+        load_config(path)
+
+
+def test_sampled_token_requires_alpha_one():
+    with pytest.raises(ConfigError, match=r"loss: .*sampled_token.*alpha=1"):
+        load_config(None, ["loss.divergence=sampled_token"])
+    cfg = load_config(None, ["loss.divergence=sampled_token", "loss.alpha=1"])
+    assert cfg.loss.divergence == "sampled_token"
+
+
+def test_sdpo_with_group_size_one_fails_with_the_fix():
+    with pytest.raises(ConfigError, match=r"group_size >= 2"):
+        load_config(None, ["rollout.group_size=1", "data.prompts_per_iteration=4"])
+    # OPD has no peers to need
+    cfg = load_config(None, ["rollout.group_size=1", "teacher.feedback=opd", "data.prompts_per_iteration=4"])
+    assert cfg.rollout.group_size == 1
+
+
+@pytest.mark.parametrize("k", [0, -3])
+def test_top_k_below_one_is_rejected(k):
+    with pytest.raises(ConfigError, match=r"rollout\.top_k: top_k=.*>= 1"):
+        load_config(None, [f"rollout.top_k={k}"])
+
+
+@pytest.mark.parametrize("rate", [0, -0.1, 1.1])
+def test_ema_rate_outside_unit_interval_is_rejected(rate):
+    with pytest.raises(ConfigError, match=r"teacher\.update_rate: .*outside \(0, 1\]"):
+        load_config(None, [f"teacher.update_rate={rate}"])
+
+
+def test_ema_rate_one_is_allowed():
+    assert load_config(None, ["teacher.update_rate=1"]).teacher.update_rate == 1.0
+
+
+def test_blend_needs_a_proper_lambda():
+    with pytest.raises(ConfigError, match="blend_lambda"):
+        load_config(None, ["loss.type=blend"])
+    assert load_config(None, ["loss.type=blend", "loss.blend_lambda=0.3"]).loss.blend_lambda == 0.3
+
+
+def test_steps_must_divide_the_iteration_batch():
+    with pytest.raises(ConfigError, match="steps_per_iteration=3"):
+        load_config(None, ["train.steps_per_iteration=3"])
+
+
+def test_bad_override_syntax():
+    with pytest.raises(ConfigError, match="section.key=value"):
+        apply_overrides({}, ["loss.alpha"])
+
+
+def test_config_hash_is_stable_and_sensitive():
+    a = load_config(None)
+    b = load_config(None)
+    c = load_config(None, ["loss.alpha=0.3"])
+    assert config_hash(a) == config_hash(b) != config_hash(c)
+
+
+def test_flatten_uses_dotted_keys():
+    assert flatten({"a": {"b": 1, "c": {"d": 2}}, "e": 3}) == {"a.b": 1, "a.c.d": 2, "e": 3}
+
+
+def test_shipped_configs_validate():
+    from pathlib import Path
+
+    configs = sorted(Path(__file__).resolve().parents[2].joinpath("configs").glob("*.yaml"))
+    assert configs, "no configs shipped"
+    for path in configs:
+        load_config(path)
+
+
+def test_config_imports_without_torch():
+    code = "import sys, tasks.config; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)

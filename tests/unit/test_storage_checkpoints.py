@@ -1,0 +1,180 @@
+"""Checkpoints: folder upload with manifest, digest-keyed cache, resolution, lineage."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import fsspec
+import numpy as np
+import pytest
+
+from storage import (
+    ROLLOUT,
+    AlreadyCommittedError,
+    ChecksumMismatchError,
+    NotCommittedError,
+    RunLayout,
+    ShardWriter,
+    StageOutput,
+    commit_iteration,
+    create_or_open_run,
+    download_checkpoint,
+    format_lineage,
+    lineage,
+    resolve_checkpoint,
+    upload_checkpoint,
+)
+from storage.objects import ObjectStore, sha256_local_file
+from storage.synthetic import synthetic_columns
+
+
+@pytest.fixture(params=["memory", "file"])
+def layout(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[RunLayout]:
+    root = str(tmp_path / "runs") if request.param == "file" else f"memory://test-{uuid.uuid4().hex}"
+    layout = RunLayout(root, "run")
+    create_or_open_run(layout, {"lr": 1e-6})
+    yield layout
+    memory = fsspec.filesystem("memory")
+    if request.param == "memory" and memory.exists(root):
+        memory.rm(root, recursive=True)
+
+
+def _megatron_like(folder: Path, seed: int = 0) -> Path:
+    """A folder with sub-directories, like a Megatron distributed checkpoint plus an HF export."""
+    rng = np.random.default_rng(seed)
+    (folder / "model" / "__0_0.distcp").parent.mkdir(parents=True)
+    (folder / "model" / "__0_0.distcp").write_bytes(rng.bytes(5000))
+    (folder / "model" / ".metadata").write_bytes(rng.bytes(300))
+    (folder / "hf").mkdir()
+    (folder / "hf" / "model.safetensors").write_bytes(rng.bytes(4000))
+    (folder / "hf" / "config.json").write_text('{"model_type": "qwen3"}')
+    return folder
+
+
+def _teacher_stage(layout: RunLayout, n: int):  # type: ignore[no-untyped-def]
+    output = StageOutput(layout, n, "teacher")
+    output.write_json("scores.json", {"n": n})
+    return output.commit()
+
+
+def test_upload_records_every_file_and_download_reproduces_the_folder(layout: RunLayout, tmp_path: Path) -> None:
+    source = _megatron_like(tmp_path / "ckpt")
+    teacher = _teacher_stage(layout, 0)
+    manifest = upload_checkpoint(source, layout, 0, "policy", parent="Qwen/Qwen3-0.6B", trained_on=[teacher])
+    names = sorted(e["name"] for e in manifest.data["files"])
+    assert names == ["hf/config.json", "hf/model.safetensors", "model/.metadata", "model/__0_0.distcp"]
+    for entry in manifest.data["files"]:
+        assert entry["sha256"] == sha256_local_file(source / entry["name"])
+    assert manifest.data["parent"] == {"external": "Qwen/Qwen3-0.6B"}
+    assert manifest.data["trained_on"] == [teacher.ref]
+    local = download_checkpoint(layout, 0, "policy", cache_dir=tmp_path / "cache")
+    assert local == tmp_path / "cache" / manifest.sha256
+    for name in names:
+        assert (local / name).read_bytes() == (source / name).read_bytes()
+    assert not [p for p in (tmp_path / "cache").iterdir() if p.name.startswith(".")]  # no temp folders left
+
+
+def test_cached_checkpoint_is_reused_without_downloading(layout: RunLayout, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    upload_checkpoint(_megatron_like(tmp_path / "ckpt"), layout, 0, "policy", parent=None)
+    first = download_checkpoint(layout, 0, "policy", cache_dir=tmp_path / "cache")
+
+    def no_download(*args: object) -> None:
+        raise AssertionError("downloaded although cached")
+
+    monkeypatch.setattr(ObjectStore, "get_to_local", no_download)
+    assert download_checkpoint(layout, "iter-0", "policy", cache_dir=tmp_path / "cache") == first
+
+
+def test_damaged_cache_is_downloaded_again(layout: RunLayout, tmp_path: Path) -> None:
+    source = _megatron_like(tmp_path / "ckpt")
+    upload_checkpoint(source, layout, 0, "policy", parent=None)
+    local = download_checkpoint(layout, 0, "policy", cache_dir=tmp_path / "cache")
+    damaged = bytearray((local / "hf" / "model.safetensors").read_bytes())
+    damaged[10] ^= 0xFF
+    (local / "hf" / "model.safetensors").write_bytes(bytes(damaged))
+    again = download_checkpoint(layout, 0, "policy", cache_dir=tmp_path / "cache")
+    assert (again / "hf" / "model.safetensors").read_bytes() == (source / "hf" / "model.safetensors").read_bytes()
+
+
+def test_flipped_byte_in_store_is_detected_on_download(layout: RunLayout, tmp_path: Path) -> None:
+    manifest = upload_checkpoint(_megatron_like(tmp_path / "ckpt"), layout, 0, "policy", parent=None)
+    entry = next(e for e in manifest.data["files"] if e["name"] == "model/__0_0.distcp")
+    url = layout.url(entry["path"])
+    data = bytearray(layout.store.read_bytes(url))
+    data[123] ^= 0x01
+    layout.store.write_bytes(url, bytes(data))
+    with pytest.raises(ChecksumMismatchError) as info:
+        download_checkpoint(layout, 0, "policy", cache_dir=tmp_path / "cache")
+    assert url in str(info.value) and entry["sha256"] in str(info.value)
+    assert list((tmp_path / "cache").iterdir()) == []  # nothing half-downloaded stays
+
+
+def test_committed_checkpoint_is_never_overwritten_partial_upload_is_redone(layout: RunLayout, tmp_path: Path) -> None:
+    source = _megatron_like(tmp_path / "ckpt")
+    stray = layout.url("checkpoints/iter-0/policy/files/stale.bin")
+    layout.store.write_bytes(stray, b"from an interrupted upload")
+    manifest = upload_checkpoint(source, layout, 0, "policy", parent=None)
+    assert not layout.store.exists(stray) and len(manifest.data["files"]) == 4
+    with pytest.raises(AlreadyCommittedError):
+        upload_checkpoint(source, layout, 0, "policy", parent=None)
+
+
+def test_resolve_latest_follows_committed_iterations(layout: RunLayout, tmp_path: Path) -> None:
+    with pytest.raises(NotCommittedError, match="no committed iteration"):
+        resolve_checkpoint(layout, "latest")
+    for n in range(2):
+        output = StageOutput(layout, n, "rollout")
+        with ShardWriter(output, ROLLOUT, top_k=2) as writer:
+            writer.write(synthetic_columns(iteration=n, n_rows=2, top_k=2, rng=np.random.default_rng(n), vocab=50))
+        rollout = output.commit()
+        teacher = _teacher_stage(layout, n)
+        train = StageOutput(layout, n, "train")
+        train.write_json("m.json", {})
+        train.commit()
+        parent = "base" if n == 0 else resolve_checkpoint(layout, n - 1)
+        upload_checkpoint(_megatron_like(tmp_path / f"c{n}", seed=n), layout, n, "policy", parent=parent,
+                          trained_on=[rollout, teacher])
+        commit_iteration(layout, n, metrics={})
+    assert resolve_checkpoint(layout, "latest").data["iteration"] == 1
+    assert resolve_checkpoint(layout, "iter-0").data["iteration"] == 0
+    with pytest.raises(ValueError, match="not an iteration name"):
+        resolve_checkpoint(layout, "best")
+    with pytest.raises(NotCommittedError):
+        resolve_checkpoint(layout, 0, "teacher")
+
+
+def test_lineage_follows_parents_and_training_data(layout: RunLayout, tmp_path: Path) -> None:
+    t0, t1 = _teacher_stage(layout, 0), _teacher_stage(layout, 1)
+    p0 = upload_checkpoint(_megatron_like(tmp_path / "a"), layout, 0, "policy", parent="Qwen/Qwen3-0.6B", trained_on=[t0])
+    upload_checkpoint(_megatron_like(tmp_path / "b", seed=1), layout, 0, "teacher", parent=p0)
+    p1 = upload_checkpoint(_megatron_like(tmp_path / "c", seed=2), layout, 1, "policy", parent=p0, trained_on=[t1])
+    records = lineage(layout)
+    assert [(r.iteration, r.kind) for r in records] == [(0, "policy"), (0, "teacher"), (1, "policy")]
+    assert records[0].parent == "Qwen/Qwen3-0.6B" and records[0].parent_ok is None
+    assert records[0].trained_on == (f"iter-0/teacher@{t0.sha256[:12]}",)
+    assert records[2].parent == f"iter-0/policy@{p0.sha256[:12]}" and records[2].parent_ok is True
+    assert records[2].sha256 == p1.sha256 and not records[2].committed
+    text = format_lineage(records, title="run run")
+    lines = text.splitlines()
+    assert lines[0] == "run run" and lines[1].split()[:3] == ["iter", "kind", "checkpoint"]
+    assert p1.sha256[:12] in lines[4] and f"iter-0/policy@{p0.sha256[:12]}" in lines[4] and "yes" in lines[4]
+
+
+def test_lineage_flags_a_parent_whose_manifest_changed(layout: RunLayout, tmp_path: Path) -> None:
+    p0 = upload_checkpoint(_megatron_like(tmp_path / "a"), layout, 0, "policy", parent=None)
+    upload_checkpoint(_megatron_like(tmp_path / "b", seed=1), layout, 1, "policy", parent=p0)
+    layout.store.write_bytes(layout.checkpoint_manifest(0, "policy"),
+                             layout.store.read_bytes(layout.checkpoint_manifest(0, "policy")) + b" ")
+    assert lineage(layout)[1].parent_ok is False
+    assert "NO" in format_lineage(lineage(layout)).splitlines()[2]
+
+
+def test_empty_or_missing_folder_is_refused(layout: RunLayout, tmp_path: Path) -> None:
+    with pytest.raises(NotADirectoryError):
+        upload_checkpoint(tmp_path / "nope", layout, 0, "policy", parent=None)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="holds no files"):
+        upload_checkpoint(tmp_path / "empty", layout, 0, "policy", parent=None)
