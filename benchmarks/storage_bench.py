@@ -31,12 +31,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from storage import ROLLOUT, RunLayout, ShardWriter, StageOutput, create_or_open_run, ragged, read_batches, topk
+from storage.synthetic import synthetic_columns, synthetic_topk
 
-from storage import ROLLOUT, RunLayout, ShardWriter, StageOutput, create_or_open_run, ragged, read_batches, topk  # noqa: E402
-from storage.synthetic import synthetic_columns, synthetic_topk  # noqa: E402
-
-logger = logging.getLogger("storage_bench")
 REGION = "eu-west-1"
 CHUNK_ROWS = 1000
 
@@ -63,16 +60,19 @@ def layout_candidates(*, rows: int, tokens: int, k: int, vocab: int) -> list[dic
     ids, logprobs = synthetic_topk(rows * tokens, k, vocab=vocab, rng=np.random.default_rng(1))
     bss_leaf = {"nested": "list.element.list.element", "fixed": "list.element.list.element", "flat": "list.element"}
     candidates = []
-    for layout, label in (("nested", "list<list<K>>"), ("fixed", "list<fixed_size_list<K>>"), ("flat", "flat list<T*K>")):
+    labels = (("nested", "list<list<K>>"), ("fixed", "list<fixed_size_list<K>>"), ("flat", "flat list<T*K>"))
+    for layout, label in labels:
         for dtype in ("float32", "float16"):
             candidates.append((f"{label}, zstd, pyarrow defaults", layout, dtype, {"compression": "zstd"}))
             encoding = {f"{c}.{bss_leaf[layout]}": "BYTE_STREAM_SPLIT" for c in ("topk_ids", "topk_logprobs")}
-            options = {"compression": "zstd", "compression_level": 1, "use_dictionary": False, "column_encoding": encoding}
+            options = {"compression": "zstd", "compression_level": 1, "use_dictionary": False,
+                       "column_encoding": encoding}
             chosen = " (chosen)" if layout == "fixed" else ""
             candidates.append((f"{label}, zstd(1) + BYTE_STREAM_SPLIT{chosen}", layout, dtype, options))
     for level in (3, 9):
         encoding = {f"{c}.list.element.list.element": "BYTE_STREAM_SPLIT" for c in ("topk_ids", "topk_logprobs")}
-        options = {"compression": "zstd", "compression_level": level, "use_dictionary": False, "column_encoding": encoding}
+        options = {"compression": "zstd", "compression_level": level, "use_dictionary": False,
+                   "column_encoding": encoding}
         candidates.append((f"list<fixed_size_list<K>>, zstd({level}) + BYTE_STREAM_SPLIT", "fixed", "float32", options))
     results = []
     for label, layout, dtype, options in candidates:
@@ -230,13 +230,16 @@ def main() -> None:
     finally:
         shutil.rmtree(scratch)
 
-    print("\n| backend | stored MB | files | write s | write MB/s | read+verify s | read MB/s | top-K B/token | all columns B/token |")
+    print("\n| backend | stored MB | files | write s | write MB/s | read+verify s | read MB/s | top-K B/token "
+          "| all columns B/token |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
         print(f"| {r['backend']} | {r['stored_mb']:.0f} | {r['files']} | {r['write_s']:.2f} | {r['write_mb_s']:.0f} | "
-              f"{r['read_s']:.2f} | {r['read_mb_s']:.0f} | **{r['topk_b_per_token']:.1f}** | {r['row_b_per_token']:.1f} |")
+              f"{r['read_s']:.2f} | {r['read_mb_s']:.0f} | **{r['topk_b_per_token']:.1f}** | "
+              f"{r['row_b_per_token']:.1f} |")
     for r in results:
-        print(f"{r['backend']}: writes {[round(x, 2) for x in r['writes']]} s, reads {[round(x, 2) for x in r['reads']]} s")
+        writes, reads = [round(x, 2) for x in r["writes"]], [round(x, 2) for x in r["reads"]]
+        print(f"{r['backend']}: writes {writes} s, reads {reads} s")
     print(f"\nmachine: {os.cpu_count()} CPUs, python {sys.version.split()[0]}, pyarrow {pa.__version__}")
 
 

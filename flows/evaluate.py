@@ -12,10 +12,11 @@ def sdpo_eval(config_path: str, overrides: list[str] | None = None, iteration: i
     """Evaluate checkpoint `iteration` of the configured run (-1 = LATEST)."""
     from storage.layout import RunLayout
     from storage.manifest import read_latest
+    from storage.urls import register_options
     from tasks.config import load_config
 
     cfg = load_config(config_path, overrides or [])
-    opts = dict(cfg.storage.storage_options)
-    layout = RunLayout(cfg.storage.root, cfg.name, storage_options=opts or None)
+    register_options(cfg.storage.root, cfg.storage.storage_options)
+    layout = RunLayout(cfg.storage.root, cfg.name)
     n = (read_latest(layout) or 0) if iteration < 0 else iteration
-    return stages.evaluate(cfg.storage.root, cfg.name, n, opts)
+    return stages.evaluate(cfg.storage.root, cfg.name, n)

@@ -14,26 +14,34 @@ from tasks import stages
 
 
 @flow(name="sdpo-iteration", log_prints=False)
-def sdpo_iteration(root: str, run: str, iteration: int, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
+def sdpo_iteration(root: str, run: str, iteration: int) -> dict[str, Any]:
     """Advance run `run` under `root` by iteration `iteration`; returns the iteration manifest."""
-    opts = storage_options or {}
-    rollout = stages.rollout(root, run, iteration, opts)
-    teacher = stages.teacher(root, run, iteration, opts, rollout)
-    trained = stages.train(root, run, iteration, opts, teacher)
-    return stages.commit(root, run, iteration, opts, [rollout, teacher, trained])
+    rollout = stages.rollout(root, run, iteration)
+    teacher = stages.teacher(root, run, iteration, rollout)
+    trained = stages.train(root, run, iteration, teacher)
+    return stages.commit(root, run, iteration, [rollout, teacher, trained])
 
 
 @flow(name="sdpo-advance", log_prints=False)
-def sdpo_advance(root: str, run: str, storage_options: dict[str, Any] | None = None) -> dict[str, Any] | None:
-    """Run the next iteration of an existing run (for scheduled deployments); None when it is done."""
+def sdpo_advance(config_path: str, overrides: list[str] | None = None) -> dict[str, Any] | None:
+    """Run the next iteration of the configured run (for scheduled deployments); None when done.
+
+    The run must exist (created by `sdpo run` or the `sdpo-run` flow); its base model and frozen
+    config are read from the store.
+    """
+    from storage.layout import RunLayout, create_or_open_run
     from storage.lock import RunLock
-    from tasks.runtime import open_run
+    from storage.manifest import read_latest
+    from storage.urls import register_options
+    from tasks.config import load_config, to_dict
 
-    handle = open_run(root, run, storage_options)
-    with RunLock(handle.layout, lease_seconds=handle.cfg.storage.lock_lease_seconds):
-        from storage.manifest import read_latest
-
-        latest = read_latest(handle.layout) or 0
-        if latest >= handle.cfg.iterations:
+    cfg = load_config(config_path, overrides or [])
+    register_options(cfg.storage.root, cfg.storage.storage_options)
+    layout = RunLayout(cfg.storage.root, cfg.name)
+    with RunLock(layout, lease_seconds=cfg.storage.lock_lease_seconds):
+        create_or_open_run(layout, to_dict(cfg))
+        stages.prepare_base(cfg.storage.root, cfg.name)
+        latest = read_latest(layout) or 0
+        if latest >= cfg.iterations:
             return None
-        return sdpo_iteration(root, run, latest + 1, storage_options)
+        return sdpo_iteration(cfg.storage.root, cfg.name, latest + 1)

@@ -32,37 +32,38 @@ def sdpo_run(
     from storage.layout import RunLayout, create_or_open_run
     from storage.lock import RunLock
     from storage.manifest import read_latest
+    from storage.urls import register_options
     from tasks.config import load_config, to_dict
     from tasks.runtime import open_run
     from tasks.summary import RunSummary
     from tasks.tracking import Tracker
 
     cfg = load_config(config_path, overrides or [])
-    opts = dict(cfg.storage.storage_options)
-    layout = RunLayout(cfg.storage.root, cfg.name, storage_options=opts or None)
+    register_options(cfg.storage.root, cfg.storage.storage_options)
+    layout = RunLayout(cfg.storage.root, cfg.name)
     root, name = cfg.storage.root, cfg.name
     with RunLock(layout, lease_seconds=cfg.storage.lock_lease_seconds, force=force_unlock) as lock:
         create_or_open_run(layout, to_dict(cfg), allow_config_change=allow_config_change)
-        run = open_run(root, name, opts)
+        run = open_run(root, name)
         tracker = Tracker(cfg, layout.run_url, local_run_dir=layout.local_dir)
         summary = RunSummary(run_url=layout.run_url, tracking_uri=tracker.uri)
 
         started = time.perf_counter()
-        base_info = stages.prepare_base(root, name, opts)
+        base_info = stages.prepare_base(root, name)
         summary.base_info = base_info
-        summary.before = stages.evaluate(root, name, 0, opts)
+        summary.before = stages.evaluate(root, name, 0)
         tracker.log_metrics(summary.before, step=0)
 
         first = (read_latest(layout) or 0) + 1
         for n in range(first, cfg.iterations + 1):
-            manifest = sdpo_iteration(root, name, n, opts)
+            manifest = sdpo_iteration(root, name, n)
             metrics = dict(manifest["metrics"])
             if _eval_due(n, every=cfg.eval.every, last=cfg.iterations):
-                metrics.update(stages.evaluate(root, name, n, opts))
+                metrics.update(stages.evaluate(root, name, n))
             tracker.log_metrics(metrics, step=n)
             summary.add_iteration(n, metrics)
             lock.renew()
-        summary.after = stages.evaluate(root, name, cfg.iterations, opts)
+        summary.after = stages.evaluate(root, name, cfg.iterations)
         summary.seconds = time.perf_counter() - started
         summary.write_artifacts(run, tracker)
         tracker.finish()

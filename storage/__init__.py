@@ -2,7 +2,8 @@
 
 from storage.checkpoints import (
     LineageRecord,
-    checkpoint_done,
+    checkpoint_exists,
+    checkpoint_iteration,
     download_checkpoint,
     format_lineage,
     lineage,
@@ -21,12 +22,12 @@ from storage.errors import (
     ShardInvariantError,
     StorageError,
 )
-from storage.layout import RunLayout, config_hash, create_or_open_run, read_run
+from storage.layout import RunLayout, config_hash, create_or_open_run, read_run, read_run_config
 from storage.lock import LockHolder, RunLock, read_lock_holder
 from storage.manifest import (
     Manifest,
     commit_iteration,
-    iteration_done,
+    iteration_committed,
     read_iteration_manifest,
     read_latest,
     read_stage_manifest,
@@ -34,16 +35,26 @@ from storage.manifest import (
 )
 from storage.retry import RetryPolicy
 from storage.schemas import ROLLOUT, TEACHER, ShardSchema
-from storage.shards import Ragged, ShardWriter, ragged, read_batches, read_table, topk
-from storage.stages import StageOutput, read_stage_file
+from storage.shards import (
+    Ragged,
+    ShardWriter,
+    ragged,
+    read_batches,
+    read_stage_columns,
+    read_table,
+    topk,
+    write_stage,
+)
+from storage.stages import StageOutput, read_eval, read_stage_file, write_eval, write_stage_manifest
 
 __all__ = [
     "ROLLOUT", "TEACHER", "AlreadyCommittedError", "ChecksumMismatchError", "ConfigMismatchError", "LineageRecord",
     "LockHeldError", "LockHolder", "Manifest", "NotCommittedError", "PreconditionFailedError", "Ragged",
     "RetryPolicy", "RunLayout", "RunLock", "SchemaVersionError", "ShardInvariantError", "ShardSchema",
-    "ShardWriter", "StageOutput", "StorageError", "checkpoint_done", "commit_iteration", "config_hash",
-    "create_or_open_run", "download_checkpoint", "format_lineage", "iteration_done", "lineage", "ragged",
-    "read_batches", "read_checkpoint_manifest", "read_iteration_manifest", "read_latest", "read_lock_holder",
-    "read_run", "read_stage_file", "read_stage_manifest", "read_table", "resolve_checkpoint", "stage_done",
-    "topk", "upload_checkpoint",
+    "ShardWriter", "StageOutput", "StorageError", "checkpoint_exists", "checkpoint_iteration", "commit_iteration",
+    "config_hash", "create_or_open_run", "download_checkpoint", "format_lineage", "iteration_committed", "lineage",
+    "ragged", "read_batches", "read_checkpoint_manifest", "read_eval", "read_iteration_manifest", "read_latest",
+    "read_lock_holder", "read_run", "read_run_config", "read_stage_columns", "read_stage_file",
+    "read_stage_manifest", "read_table", "resolve_checkpoint", "stage_done", "topk", "upload_checkpoint",
+    "write_eval", "write_stage", "write_stage_manifest",
 ]

@@ -1,7 +1,9 @@
 """Checkpoints: upload a local folder with a manifest, download it into a digest-keyed cache, lineage.
 
-`checkpoints/iter-<n>/<kind>/` holds the weights iteration n's train stage produced (kind: policy or
-teacher), any folder shape (HF safetensors, Megatron distributed checkpoint with sub-directories).
+`checkpoints/iter-<n>/<kind>/` holds the weights iteration n's train stage produced, any folder shape
+(HF safetensors, Megatron distributed checkpoint with sub-directories). Kinds: policy (HF weights for
+the engines), teacher (a separately kept teacher, e.g. EMA), megatron (distributed checkpoint with
+optimizer state, for resuming training).
 The manifest digest identifies the checkpoint; the local cache is `<cache_dir>/<digest>/`, reused
 when present and verified. Each manifest names its parent checkpoint (or an external base model)
 and the stage manifests it was trained on, which `lineage` follows.
@@ -24,7 +26,7 @@ from storage.layout import CHECKPOINT_KINDS, MANIFEST_NAME, RunLayout, parse_ite
 from storage.manifest import (
     Manifest,
     base_fields,
-    iteration_done,
+    iteration_committed,
     read_iteration_manifest,
     read_latest,
     read_manifest,
@@ -37,8 +39,21 @@ from storage.urls import join
 logger = logging.getLogger(__name__)
 
 
-def checkpoint_done(layout: RunLayout, n: int, kind: str) -> bool:
-    return layout.store.exists(layout.checkpoint_manifest(n, kind))
+def checkpoint_iteration(layout: RunLayout, ref: str | int) -> int:
+    """The iteration a checkpoint reference names: "latest" (the LATEST iteration), "iter-N" or N."""
+    if isinstance(ref, int):
+        return ref
+    if ref == "latest":
+        latest = read_latest(layout)
+        if latest is None:
+            raise NotCommittedError(f"run {layout.run_name!r} has no committed iteration, so no latest checkpoint")
+        return latest
+    return parse_iteration_name(ref)
+
+
+def checkpoint_exists(layout: RunLayout, ref: str | int, kind: str) -> bool:
+    """Whether checkpoint `kind` of `ref` is committed (its manifest exists)."""
+    return layout.store.exists(layout.checkpoint_manifest(checkpoint_iteration(layout, ref), kind))
 
 
 def read_checkpoint_manifest(layout: RunLayout, n: int, kind: str) -> Manifest:
@@ -68,13 +83,16 @@ def upload_checkpoint(
     source = Path(local_dir)
     if not source.is_dir():
         raise NotADirectoryError(f"checkpoint folder {source} does not exist")
-    if checkpoint_done(layout, n, kind):
+    if checkpoint_exists(layout, n, kind):
         raise AlreadyCommittedError(
-            f"checkpoint {kind} of iteration {n} is committed ({layout.checkpoint_manifest(n, kind)}); never overwritten"
+            f"checkpoint {kind} of iteration {n} is committed ({layout.checkpoint_manifest(n, kind)}); "
+            "committed outputs are never overwritten"
         )
     target = layout.checkpoint_dir(n, kind)
     if leftovers := layout.store.list_files(target):
-        logger.warning("checkpoint %s of iteration %d: clearing %d file(s) of a partial upload", kind, n, len(leftovers))
+        logger.warning(
+            "checkpoint %s of iteration %d: clearing %d file(s) of a partial upload", kind, n, len(leftovers)
+        )
         layout.store.remove_tree(target)
     files = sorted(p for p in source.rglob("*") if p.is_file())
     if not files:
@@ -113,23 +131,15 @@ def upload_checkpoint(
 
 def resolve_checkpoint(layout: RunLayout, ref: str | int, kind: str = "policy") -> Manifest:
     """The checkpoint manifest for `ref`: "latest" (of the last committed iteration), "iter-N" or N."""
-    if isinstance(ref, int):
-        n = ref
-    elif ref == "latest":
-        latest = read_latest(layout)
-        if latest is None:
-            raise NotCommittedError(f"run {layout.run_name!r} has no committed iteration, so no latest checkpoint")
-        n = latest
-    else:
-        n = parse_iteration_name(ref)
-    return read_checkpoint_manifest(layout, n, kind)
+    return read_checkpoint_manifest(layout, checkpoint_iteration(layout, ref), kind)
 
 
 def _local_copy_problem(folder: Path, manifest: Manifest, *, verify: bool) -> str | None:
     expected = {e["name"]: e for e in manifest.data["files"]}
     present = {p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()}
     if present != set(expected):
-        return f"files differ: missing {sorted(set(expected) - present)[:3]}, extra {sorted(present - set(expected))[:3]}"
+        missing, extra = sorted(set(expected) - present)[:3], sorted(present - set(expected))[:3]
+        return f"files differ: missing {missing}, extra {extra}"
     for name, entry in expected.items():
         path = folder / name
         if path.stat().st_size != entry["bytes"]:
@@ -205,9 +215,10 @@ def lineage(layout: RunLayout) -> list[LineageRecord]:
     """Every committed checkpoint of the run, oldest first, with its parent and training data."""
     records = []
     for n in layout.checkpoint_iterations():
-        committed_refs = read_iteration_manifest(layout, n).data["checkpoints"] if iteration_done(layout, n) else {}
+        committed = iteration_committed(layout, n)
+        committed_refs = read_iteration_manifest(layout, n).data["checkpoints"] if committed else {}
         for kind in CHECKPOINT_KINDS:
-            if not checkpoint_done(layout, n, kind):
+            if not checkpoint_exists(layout, n, kind):
                 continue
             manifest = read_checkpoint_manifest(layout, n, kind)
             parent = manifest.data["parent"]

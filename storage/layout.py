@@ -9,7 +9,7 @@
 <root>/<run>/iter-<n>/<stage>/part-<i>.parquet          stage shards (stage: rollout | teacher | train | eval)
 <root>/<run>/iter-<n>/<stage>/<name>                    other stage files (e.g. train metrics)
 <root>/<run>/iter-<n>/<stage>/_manifest.json            stage manifest, written last
-<root>/<run>/checkpoints/iter-<n>/<kind>/files/...      weights produced by iteration n (kind: policy | teacher)
+<root>/<run>/checkpoints/iter-<n>/<kind>/files/...      weights produced by iteration n (policy | teacher | megatron)
 <root>/<run>/checkpoints/iter-<n>/<kind>/_manifest.json checkpoint manifest, written last
 ```
 
@@ -18,17 +18,18 @@ Manifests name files relative to the run directory, so a run can be copied betwe
 
 from __future__ import annotations
 
-import datetime as dt
 import hashlib
 import json
 import logging
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from storage.errors import ConfigMismatchError
 from storage.objects import ObjectStore
+from storage.provenance import code_version, utc_now
 from storage.retry import RetryPolicy
 from storage.urls import join, normalize
 
@@ -36,7 +37,7 @@ logger = logging.getLogger(__name__)
 
 LAYOUT_VERSION = 1
 STAGES = ("rollout", "teacher", "train", "eval")
-CHECKPOINT_KINDS = ("policy", "teacher")
+CHECKPOINT_KINDS = ("policy", "teacher", "megatron")
 MANIFEST_NAME = "_manifest.json"
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _ITER_DIR = re.compile(r"^iter-(0|[1-9][0-9]*)$")
@@ -45,10 +46,6 @@ _CREDENTIAL_KEYS = frozenset(
     {"aws_access_key_id", "aws_secret_access_key", "aws_session_token", "secret_access_key", "session_token"}
 )
 _CREDENTIAL_KEYS_IN_OPTIONS = frozenset({"key", "secret", "token", "password", "access_key", "secret_key"})
-
-
-def utc_now() -> str:
-    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="milliseconds")
 
 
 def canonical_json(obj: Any) -> bytes:
@@ -96,6 +93,13 @@ class RunLayout:
         if not url.startswith(prefix):
             raise ValueError(f"{url} is not inside run {self.run_url}")
         return url[len(prefix):]
+
+    @property
+    def local_dir(self) -> Path | None:
+        """The run directory on local disk for file:// roots (for tools that need a path), else None."""
+        if self.store.backend != "file":
+            return None
+        return Path(self.store.path(self.run_url))
 
     @property
     def run_json(self) -> str:
@@ -196,7 +200,8 @@ def _check_plain(value: Any, key: str) -> None:
             dotted = f"{key}.{k}" if key else k
             leaf = k.lower()
             in_options = "storage_options" in key or "client_kwargs" in key
-            if isinstance(v, str) and v and (leaf in _CREDENTIAL_KEYS or (in_options and leaf in _CREDENTIAL_KEYS_IN_OPTIONS)):
+            credential = leaf in _CREDENTIAL_KEYS or (in_options and leaf in _CREDENTIAL_KEYS_IN_OPTIONS)
+            if isinstance(v, str) and v and credential:
                 raise ValueError(
                     f"config key {dotted!r} looks like a credential; pass it through the AWS environment "
                     "variables or storage_options in-process, never in the run config"
@@ -258,6 +263,11 @@ def read_run(layout: RunLayout) -> dict[str, Any]:
     return record
 
 
+def read_run_config(layout: RunLayout) -> dict[str, Any]:
+    """The effective config of an existing run (as created, plus accepted changes)."""
+    return read_run(layout)["config"]
+
+
 def create_or_open_run(
     layout: RunLayout, config: Mapping[str, Any], *, allow_config_change: bool = False
 ) -> dict[str, Any]:
@@ -267,8 +277,6 @@ def create_or_open_run(
     `allow_config_change=True` the change is accepted and appended to config_changes.jsonl.
     Returns the run record with the effective config (see `read_run`).
     """
-    from storage.manifest import code_version
-
     _check_plain(config, "")
     config = json.loads(canonical_json(config))
     record = {

@@ -131,7 +131,8 @@ class RunLock:
         logger.info("locked run %s (%s)", self.layout.run_name, holder.describe())
         if self.heartbeat_seconds is not None:
             self._stop.clear()
-            self._thread = threading.Thread(target=self._heartbeat, name=f"run-lock-{self.layout.run_name}", daemon=True)
+            name = f"run-lock-{self.layout.run_name}"
+            self._thread = threading.Thread(target=self._heartbeat, name=name, daemon=True)
             self._thread.start()
         return holder
 
@@ -162,7 +163,8 @@ class RunLock:
         try:
             store.replace_if_tag(url, payload, self._tag)
         except (PreconditionFailedError, FileNotFoundError) as exc:
-            raise LockHeldError(f"run {self.layout.run_name!r}: lock lost, now {read_lock_holder(self.layout)}") from exc
+            now = read_lock_holder(self.layout)
+            raise LockHeldError(f"run {self.layout.run_name!r}: lock lost, now held by {now}") from exc
         data, self._tag = store.read_tagged(url)
         if data != payload:
             raise LockHeldError(f"run {self.layout.run_name!r}: lock changed during renewal: {data!r}")

@@ -7,33 +7,32 @@ Committing an iteration writes the iteration manifest, then replaces `LATEST`.
 
 from __future__ import annotations
 
-import functools
-import importlib.metadata
 import json
 import logging
 import math
-import subprocess
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from storage.errors import AlreadyCommittedError, ChecksumMismatchError, NotCommittedError
-from storage.layout import RunLayout, read_run, utc_now
+from storage.layout import RunLayout, read_run
 from storage.objects import sha256_bytes
+from storage.provenance import code_version, utc_now
 
 logger = logging.getLogger(__name__)
 
 MANIFEST_VERSION = 1
 ITERATION_STAGES = ("rollout", "teacher", "train")
-_PACKAGE = "sdpo-pipeline"
 
 
 @dataclass(frozen=True)
-class Manifest:
-    """A manifest as read from (or written to) the store: its run-relative path, digest and content."""
+class Manifest(Mapping[str, Any]):
+    """A manifest as read from (or written to) the store: its run-relative path, digest and content.
+
+    It reads like its content (`manifest["metrics"]`); `ref` is how children name it.
+    """
 
     path: str
     sha256: str
@@ -44,18 +43,14 @@ class Manifest:
         """How a child manifest names this one."""
         return {"path": self.path, "sha256": self.sha256}
 
+    def __getitem__(self, key: str) -> Any:
+        return self.data[key]
 
-@functools.cache
-def code_version() -> str:
-    """`git describe` of the source tree when it is a git checkout with commits, else the package version."""
-    source = Path(__file__).resolve().parent.parent
-    result = subprocess.run(
-        ["git", "-C", str(source), "describe", "--always", "--dirty", "--tags"],
-        capture_output=True, text=True, check=False,
-    )
-    if result.returncode == 0 and result.stdout.strip():
-        return f"git:{result.stdout.strip()}"
-    return f"{_PACKAGE}=={importlib.metadata.version(_PACKAGE)}"
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.data)
+
+    def __len__(self) -> int:
+        return len(self.data)
 
 
 def plain_metrics(metrics: Mapping[str, Any]) -> dict[str, Any]:
@@ -131,7 +126,7 @@ def read_latest(layout: RunLayout) -> int | None:
     return int(json.loads(layout.store.read_bytes(layout.latest))["iteration"])
 
 
-def iteration_done(layout: RunLayout, n: int) -> bool:
+def iteration_committed(layout: RunLayout, n: int) -> bool:
     return layout.store.exists(layout.iteration_manifest(n))
 
 
@@ -156,25 +151,26 @@ def commit_iteration(
 ) -> Manifest:
     """Write iteration n's manifest (naming its stage and checkpoint manifests by digest), then LATEST.
 
-    Iterations commit in order: LATEST must be n-1 (None for n = 0). If a previous commit wrote the
-    manifest but died before LATEST moved, this finishes it and returns the existing manifest.
+    Iterations commit in order: LATEST must be n-1, or absent for the run's first commit (whatever
+    its number). If a previous commit wrote the manifest but died before LATEST moved, this
+    finishes it and returns the existing manifest.
     """
-    from storage.checkpoints import read_checkpoint_manifest
-
     latest = read_latest(layout)
-    expected_previous = n - 1 if n > 0 else None
-    if iteration_done(layout, n):
+    if iteration_committed(layout, n):
         existing = read_iteration_manifest(layout, n)
-        if latest == expected_previous:
+        latest_when_written = None if existing.data["previous"] is None else n - 1
+        if latest == latest_when_written:
             logger.warning("iteration %d was committed but LATEST not moved; finishing the commit", n)
             _move_latest(layout, existing, n)
             return existing
-        raise AlreadyCommittedError(f"iteration {n} of run {layout.run_name!r} is already committed (LATEST = {latest})")
-    if latest != expected_previous:
-        raise ValueError(f"cannot commit iteration {n} of run {layout.run_name!r}: LATEST is {latest}, need {expected_previous}")
+        raise AlreadyCommittedError(
+            f"iteration {n} of run {layout.run_name!r} is already committed (LATEST = {latest})"
+        )
+    if latest is not None and latest != n - 1:
+        raise ValueError(f"cannot commit iteration {n} of run {layout.run_name!r}: LATEST is {latest}, need {n - 1}")
     stage_refs = {stage: read_stage_manifest(layout, n, stage).ref for stage in stages}
-    checkpoint_refs = {kind: read_checkpoint_manifest(layout, n, kind).ref for kind in checkpoints}
-    previous = read_iteration_manifest(layout, n - 1).ref if n > 0 else None
+    checkpoint_refs = {kind: read_manifest(layout, layout.checkpoint_manifest(n, kind)).ref for kind in checkpoints}
+    previous = None if latest is None else read_iteration_manifest(layout, latest).ref
     data = {
         **base_fields(layout, "iteration"),
         "iteration": n,

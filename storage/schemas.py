@@ -14,7 +14,8 @@ Invariants (checked by `check_rows` on every write):
   top-K entry holding exactly K values;
 - teacher shards also: len(teacher_sampled_logprobs) = len(teacher_topk_logprobs) = T (teacher
   logprobs of the student's topk_ids, same order);
-- logprob values are not NaN and <= 1e-3 (rounding slack above 0); -inf is allowed;
+- logprob values are not NaN and <= 1e-3 (rounding slack above 0); -inf is allowed; `reward` and
+  `advantage` are finite;
 - prompt_messages are lists of {"role": str, "content": str} dicts, nothing else;
 - sample_id is unique within a stage (checked by the writer across shards).
 """
@@ -30,7 +31,9 @@ import pyarrow.compute as pc
 
 from storage.errors import SchemaVersionError, ShardInvariantError
 
-ColumnKind = Literal["int64", "int32", "float32", "string", "bool", "tokens", "logprobs", "topk_ids", "topk_logprobs", "messages"]
+ColumnKind = Literal[
+    "int64", "int32", "float32", "string", "bool", "tokens", "logprobs", "topk_ids", "topk_logprobs", "messages"
+]
 LogprobDtype = Literal["float32", "float16"]
 LOGPROB_DTYPES: tuple[LogprobDtype, ...] = ("float32", "float16")
 FINISH_REASONS = ("stop", "length")
@@ -87,6 +90,7 @@ ROLLOUT_COLUMNS: tuple[Column, ...] = (
     Column("finish_reason", "string", False, "'stop' or 'length'"),
     Column("reward", "float32", False, "verifier reward"),
     Column("feedback", "string", True, "verifier feedback text, if any"),
+    Column("format_error", "bool", False, "the verifier found the answer malformed (not merely wrong)"),
     Column("label", "string", False, "reference answer given to the verifier"),
     Column("data_source", "string", False, "data set / verifier name"),
     Column("teacher_prompt", "string", True, "privileged prompt from the data (OPSD), if any"),
@@ -100,6 +104,7 @@ TEACHER_COLUMNS: tuple[Column, ...] = (
     Column("sample_mask", "bool", False, "False: no usable teacher signal, excluded from the loss"),
     Column("teacher_topk_logprobs", "topk_logprobs", False, "[T][K] teacher logprobs of the student's topk_ids"),
     Column("teacher_sampled_logprobs", "logprobs", False, "[T] teacher logprob of each sampled token"),
+    Column("advantage", "float32", False, "per-sample advantage decided upstream (e.g. GRPO group-normalised reward)"),
 )
 
 
@@ -225,12 +230,18 @@ def check_rows(schema: ShardSchema, table: pa.Table, *, top_k: int, iteration: i
         if c.kind in ("int64", "int32", "tokens", "topk_ids"):
             values = _values(table.column(c.name))
             if values.size and values.min() < 0:
-                _fail(schema, f"negative value {values.min()} in {c.name!r}", _rows_where(table.column(c.name), values < 0))
+                rows = _rows_where(table.column(c.name), values < 0)
+                _fail(schema, f"negative value {values.min()} in {c.name!r}", rows)
+        if c.kind == "float32":
+            values = _values(table.column(c.name))
+            if not np.isfinite(values).all():
+                _fail(schema, f"{c.name!r} is not finite", np.flatnonzero(~np.isfinite(values)))
         if c.kind in ("logprobs", "topk_logprobs"):
             values = _values(table.column(c.name))
             bad_values = np.isnan(values) | (values > LOGPROB_MAX)
             if bad_values.any():
-                _fail(schema, f"{c.name!r} holds NaN or a value > {LOGPROB_MAX}", _rows_where(table.column(c.name), bad_values))
+                rows = _rows_where(table.column(c.name), bad_values)
+                _fail(schema, f"{c.name!r} holds NaN or a value > {LOGPROB_MAX}", rows)
 
 
 def _leaves(column: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, np.ndarray]:

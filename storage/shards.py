@@ -18,6 +18,7 @@ import logging
 import os
 import tempfile
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -104,7 +105,8 @@ def _list_array(column: Column, typ: pa.ListType, value: Any, *, top_k: int) -> 
     if not topk and values.ndim != 1:
         raise ShardInvariantError(f"{column.name}: values must be 1-D, got shape {values.shape}")
     n_entries = values.shape[0]
-    if offsets.ndim != 1 or offsets.size == 0 or offsets[0] != 0 or offsets[-1] != n_entries or np.any(np.diff(offsets) < 0):
+    rising = offsets.ndim == 1 and offsets.size > 0 and offsets[0] == 0 and offsets[-1] == n_entries
+    if not rising or np.any(np.diff(offsets) < 0):
         raise ShardInvariantError(
             f"{column.name}: offsets must rise from 0 to {n_entries}, got {offsets[:3]}...{offsets[-2:]}"
         )
@@ -135,14 +137,14 @@ def _to_arrow(column: Column, typ: pa.DataType, value: Any, *, top_k: int) -> pa
 
 
 # -- writer ----------------------------------------------------------------------------------
+@dataclass
 class _OpenShard:
-    def __init__(self, url: str, sink: HashingSink, writer: pq.ParquetWriter, spool: str | None) -> None:
-        self.url = url
-        self.sink = sink
-        self.writer = writer
-        self.spool = spool
-        self.rows = 0
-        self.response_tokens = 0
+    url: str
+    sink: HashingSink
+    writer: pq.ParquetWriter
+    spool: str | None  # local temp file uploaded on close (s3), else None
+    rows: int = 0
+    response_tokens: int = 0
 
 
 class ShardWriter:
@@ -213,12 +215,15 @@ class ShardWriter:
         """Append rows; full row groups are written out as they fill."""
         if self._closed:
             raise ValueError("ShardWriter is closed")
-        table = self.to_table({n: columns[n] for n in columns.column_names} if isinstance(columns, pa.Table) else columns)
+        if isinstance(columns, pa.Table):
+            columns = {name: columns[name] for name in columns.column_names}
+        table = self.to_table(columns)
         ids = table.column("sample_id").to_numpy()
         duplicate_in_batch = np.unique(ids).size != ids.size
         seen = self._sample_ids.intersection(ids.tolist())
         if duplicate_in_batch or seen:
-            raise ShardInvariantError(f"{self.schema.name} write: duplicate sample_id(s) {sorted(seen)[:5] or 'within batch'}")
+            which = sorted(seen)[:5] or "within the batch"
+            raise ShardInvariantError(f"{self.schema.name} write: duplicate sample_id(s) {which}")
         self._sample_ids.update(ids.tolist())
         self._pending.append(table)
         self._pending_rows += table.num_rows
@@ -384,7 +389,8 @@ def read_table(
     if not batches:
         manifest = read_stage_manifest(layout, n, stage)
         recorded = manifest.data["schema"]
-        arrow = _expected_schema(manifest, schema).arrow(top_k=recorded["top_k"], logprob_dtype=recorded["logprob_dtype"])
+        expected = _expected_schema(manifest, schema)
+        arrow = expected.arrow(top_k=recorded["top_k"], logprob_dtype=recorded["logprob_dtype"])
         return arrow.empty_table().select(list(columns)) if columns else arrow.empty_table()
     return pa.Table.from_batches(batches)
 
@@ -409,3 +415,83 @@ def topk(batch: pa.RecordBatch | pa.Table, column: str) -> Ragged:
     offsets = array.offsets.to_numpy().astype(np.int64)
     values = array.flatten().flatten().to_numpy()
     return Ragged(values=values.reshape(-1, k), offsets=offsets - offsets[0])
+
+
+# -- whole-stage conveniences (small stages: everything in memory) ----------------------------
+def _infer_top_k(value: Any) -> int | None:
+    if isinstance(value, Ragged):
+        return int(np.asarray(value.values).shape[1])
+    if isinstance(value, pa.ChunkedArray | pa.Array):
+        return int(value.type.value_type.list_size) if pa.types.is_fixed_size_list(value.type.value_type) else None
+    for row in value:
+        shape = np.asarray(row).shape
+        if len(shape) == 2 and shape[0] > 0:
+            return int(shape[1])
+    return None
+
+
+def write_stage(
+    layout: RunLayout,
+    n: int,
+    stage: str,
+    columns: Mapping[str, Any],
+    *,
+    top_k: int | None = None,
+    logprob_dtype: LogprobDtype = "float32",
+    parents: Sequence[Manifest | Mapping[str, str]] = (),
+    metrics: Mapping[str, Any] | None = None,
+    timings: Mapping[str, float] | None = None,
+    rows_per_shard: int = DEFAULT_ROWS_PER_SHARD,
+    row_group_size: int = DEFAULT_ROW_GROUP_SIZE,
+) -> Manifest:
+    """Write one column dict as the whole shard output of a rollout or teacher stage and commit it.
+
+    `top_k` defaults to the K of the `topk_ids` rows (pass it when there may be no rows).
+    """
+    if stage not in STAGE_SCHEMAS:
+        raise ValueError(f"write_stage writes shard stages {tuple(STAGE_SCHEMAS)}, not {stage!r}")
+    k = top_k if top_k is not None else _infer_top_k(columns["topk_ids"])
+    if k is None:
+        raise ValueError(f"cannot infer top_k for {stage} of iteration {n} from empty topk_ids; pass top_k")
+    output = StageOutput(layout, n, stage)
+    with ShardWriter(output, STAGE_SCHEMAS[stage], top_k=k, logprob_dtype=logprob_dtype,
+                     rows_per_shard=rows_per_shard, row_group_size=row_group_size) as writer:
+        writer.write(columns)
+    return output.commit(parents=parents, metrics=metrics, timings=timings)
+
+
+def _split(values: np.ndarray, offsets: np.ndarray) -> list[np.ndarray]:
+    return np.split(values, offsets[1:-1]) if offsets.size > 1 else []
+
+
+def read_stage_columns(
+    layout: RunLayout,
+    n: int,
+    stage: str,
+    *,
+    columns: Sequence[str] | None = None,
+    verify: bool = True,
+) -> dict[str, Any]:
+    """A whole committed stage as {column: per-row data} (small stages; read_batches streams).
+
+    Numbers and booleans come as numpy arrays [N]; strings as lists; token and logprob lists as lists
+    of numpy arrays [T_i]; top-K columns as lists of [T_i, K] arrays (views of one buffer);
+    prompt_messages as lists of {"role", "content"} dicts.
+    """
+    manifest = read_stage_manifest(layout, n, stage)
+    schema = _expected_schema(manifest, None)
+    table = read_table(layout, n, stage, columns=columns, verify=verify)
+    out: dict[str, Any] = {}
+    for name in table.column_names:
+        kind = schema.column(name).kind
+        if kind in _TOPK_KINDS:
+            values, offsets = topk(table, name)
+            out[name] = _split(values, offsets)
+        elif kind in _LIST_KINDS:
+            values, offsets = ragged(table, name)
+            out[name] = _split(values, offsets)
+        elif kind in ("string", "messages"):
+            out[name] = table.column(name).to_pylist()
+        else:
+            out[name] = table.column(name).to_numpy()
+    return out

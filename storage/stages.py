@@ -53,7 +53,7 @@ class StageOutput:
             layout.store.remove_tree(self.dir)
         self._files: list[dict[str, Any]] = []
         self._schema: dict[str, Any] | None = None
-        self._open_writers = 0
+        self._writer_open = False
         self._started = time.monotonic()
         self._committed = False
 
@@ -62,10 +62,10 @@ class StageOutput:
         if self._schema is not None:
             raise ValueError(f"stage {self.stage} of iteration {self.iteration} already has a shard writer")
         self._schema = schema_info
-        self._open_writers += 1
+        self._writer_open = True
 
     def _writer_closed(self) -> None:
-        self._open_writers -= 1
+        self._writer_open = False
 
     def _add_file(self, entry: dict[str, Any]) -> None:
         if self._committed:
@@ -97,7 +97,7 @@ class StageOutput:
         timings: Mapping[str, float] | None = None,
     ) -> Manifest:
         """Write the stage manifest (files, sizes, digests, rows, schema, parents...) and return it."""
-        if self._open_writers:
+        if self._writer_open:
             raise ValueError(f"stage {self.stage} of iteration {self.iteration}: close the shard writer before commit")
         parent_refs = [p.ref if isinstance(p, Manifest) else dict(p) for p in parents]
         for ref in parent_refs:
@@ -135,3 +135,35 @@ def read_stage_file(layout: RunLayout, n: int, stage: str, name: str, *, verify:
     if verify and (actual := sha256_bytes(data)) != entry["sha256"]:
         raise ChecksumMismatchError(url, expected=entry["sha256"], actual=actual)
     return data
+
+
+def write_stage_manifest(
+    layout: RunLayout,
+    n: int,
+    stage: str,
+    *,
+    parents: Sequence[Manifest | Mapping[str, str]] = (),
+    metrics: Mapping[str, Any] | None = None,
+    timings: Mapping[str, float] | None = None,
+) -> Manifest:
+    """Commit a stage whose outputs live elsewhere (e.g. train: its checkpoints, named in `parents`)."""
+    return StageOutput(layout, n, stage).commit(parents=parents, metrics=metrics, timings=timings)
+
+
+EVAL_FILE = "metrics.json"
+
+
+def write_eval(
+    layout: RunLayout, n: int, metrics: Mapping[str, Any], *, parents: Sequence[Manifest] = ()
+) -> Manifest:
+    """Commit the evaluation of checkpoint n as stage `eval` of iteration n (metrics in file and manifest)."""
+    output = StageOutput(layout, n, "eval")
+    output.write_json(EVAL_FILE, plain_metrics(metrics))
+    return output.commit(parents=parents, metrics=metrics)
+
+
+def read_eval(layout: RunLayout, n: int) -> dict[str, Any] | None:
+    """The committed evaluation metrics of checkpoint n, or None when it was not evaluated yet."""
+    if not stage_done(layout, n, "eval"):
+        return None
+    return dict(read_manifest(layout, layout.stage_manifest(n, "eval")).data["metrics"])

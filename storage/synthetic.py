@@ -109,11 +109,14 @@ def synthetic_columns(
         teacher_lengths = prompt_lengths + 16
         teacher_offsets = np.concatenate([[0], np.cumsum(teacher_lengths)])
         columns |= {
-            "teacher_prompt_ids": Ragged(rng.integers(0, vocab, int(teacher_offsets[-1])).astype(np.int32), teacher_offsets),
+            "teacher_prompt_ids": Ragged(
+                rng.integers(0, vocab, int(teacher_offsets[-1])).astype(np.int32), teacher_offsets
+            ),
             "teacher_prompt_text": [f"Solve problem {g}. A correct attempt: ..." for g in group_ids],
             "teacher_source": ["demo"] * n_rows,
             "sample_mask": rng.random(n_rows) < 0.8,
             "teacher_topk_logprobs": Ragged(teacher_topk, offsets),
             "teacher_sampled_logprobs": Ragged(teacher_topk[rows, pick], offsets),
+            "advantage": (columns["reward"] - 0.5).astype(np.float32),
         }
     return columns

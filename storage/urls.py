@@ -56,13 +56,37 @@ def join(url: str, *parts: str) -> str:
     return "/".join([base, *parts])
 
 
+_REGISTERED_OPTIONS: dict[str, dict[str, Any]] = {}
+
+
+def register_options(root_url: str, storage_options: Mapping[str, Any]) -> None:
+    """Use `storage_options` for every URL under `root_url` in this process.
+
+    A run's flows and tasks pass only URLs (Prefect records task parameters, and options may hold
+    credentials); the entry point registers the options of the run root once, here.
+    """
+    _REGISTERED_OPTIONS[normalize(root_url)] = dict(storage_options)
+
+
+def registered_options(url: str) -> dict[str, Any] | None:
+    """The options registered for the longest root that contains `url`, if any."""
+    canonical = normalize(url)
+    best: str | None = None
+    for root in _REGISTERED_OPTIONS:
+        if (canonical == root or canonical.startswith(root.rstrip("/") + "/")) and (best is None or len(root) > len(best)):
+            best = root
+    return None if best is None else dict(_REGISTERED_OPTIONS[best])
+
+
 def resolve(url: str, storage_options: Mapping[str, Any] | None = None) -> tuple[AbstractFileSystem, str]:
-    """(filesystem, path inside it) for `url`.
+    """(filesystem, path inside it) for `url`; options default to those registered for its root.
 
     On s3 the listings cache is off unless asked for: several processes share a run and a stale
     listing would hide another writer's lock or manifest.
     """
     canonical = normalize(url)
+    if storage_options is None:
+        storage_options = registered_options(canonical)
     options = dict(storage_options or {})
     if protocol(canonical) == "s3":
         options.setdefault("use_listings_cache", False)

@@ -32,9 +32,11 @@ def materialise_base(run: Run, *, progress: bool = True) -> tuple[Path, dict[str
     if cfg.model.path:
         from storage.urls import resolve
 
-        fs, path = resolve(cfg.model.path, cfg.storage.storage_options or None)
-        if fs.protocol in ("file", ("file", "local")) or "file" in fs.protocol:
-            return Path(path), {"source": cfg.model.path}
+        from storage.urls import protocol
+
+        if protocol(cfg.model.path) == "file":
+            return Path(cfg.model.path.removeprefix("file://")), {"source": cfg.model.path}
+        fs, path = resolve(cfg.model.path)
         local = Path(cfg.storage.cache_dir) / "imported" / hashlib.sha256(cfg.model.path.encode()).hexdigest()[:16]
         if not (local / "config.json").exists():
             fs.get(path.rstrip("/") + "/", str(local), recursive=True)
@@ -55,7 +57,8 @@ def materialise_base(run: Run, *, progress: bool = True) -> tuple[Path, dict[str
     info = bootstrap_checkpoint(
         str(tmp),
         train_rows=train_rows,
-        eval_rows=eval_rows[: cfg.data.eval_prompts],
+        eval_rows=eval_rows,
+        num_eval=cfg.data.eval_prompts,
         architecture=b.architecture,
         hidden=b.hidden_size,
         layers=b.num_layers,
@@ -80,8 +83,8 @@ def ensure_base_checkpoint(run: Run, *, progress: bool = True) -> dict[str, Any]
     """Write checkpoint iter-0 (policy) once; later calls return what is already stored."""
     from storage.checkpoints import checkpoint_exists, upload_checkpoint
 
-    if checkpoint_exists(run.layout, "iter-0", "policy"):
+    if checkpoint_exists(run.layout, 0, "policy"):
         return {"source": "stored"}
     local, info = materialise_base(run, progress=progress)
-    upload_checkpoint(local, run.layout, 0, "policy", parent=None, trained_on=[])
+    upload_checkpoint(local, run.layout, 0, "policy", parent=info["source"], trained_on=[])
     return info

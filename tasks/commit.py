@@ -1,4 +1,5 @@
-"""Commit stage: the iteration manifest (parents, digests, config hash, code version, metrics), then LATEST."""
+"""Commit stage: the iteration manifest (stage and checkpoint digests, config hash, code version,
+metrics), then LATEST. Only then is the iteration done."""
 
 from __future__ import annotations
 
@@ -16,20 +17,15 @@ def iteration_metrics(stage_manifests: list[dict]) -> dict[str, float]:
     return metrics
 
 
-def run_commit(root: str, run_name: str, iteration: int, storage_options: dict | None = None) -> dict:
+def run_commit(root: str, run_name: str, iteration: int) -> dict:
     """Write iteration `iteration`'s manifest and move LATEST; idempotent once committed."""
+    from storage.checkpoints import checkpoint_exists
     from storage.manifest import commit_iteration, iteration_committed, read_iteration_manifest, read_stage_manifest
-    from tasks.config import config_hash
     from tasks.runtime import open_run
 
-    run = open_run(root, run_name, storage_options)
+    run = open_run(root, run_name)
     if iteration_committed(run.layout, iteration):
         return read_iteration_manifest(run.layout, iteration)
     stages = [read_stage_manifest(run.layout, iteration, stage) for stage in STAGES]
-    return commit_iteration(
-        run.layout,
-        iteration,
-        parents=stages,
-        metrics=iteration_metrics(stages),
-        config_hash=config_hash(run.cfg),
-    )
+    kinds = [kind for kind in ("policy", "teacher", "megatron") if checkpoint_exists(run.layout, iteration, kind)]
+    return commit_iteration(run.layout, iteration, metrics=iteration_metrics(stages), checkpoints=kinds)

@@ -23,7 +23,7 @@ def evaluate_checkpoint(run: Run, policy_dir: Path, *, progress: bool = True) ->
     rows = eval_rows[: cfg.data.eval_prompts]
     started = time.perf_counter()
     greedy, _ = sample_groups(
-        run, rows=rows, policy_dir=policy_dir, n=1, temperature=0.0, top_p=1.0, seed=cfg.seed, progress=progress
+        run, rows=rows, policy_dir=policy_dir, n=1, temperature=0.0, top_p=1.0, seed=cfg.seed, iteration=0, progress=progress
     )
     sampled, _ = sample_groups(
         run,
@@ -33,6 +33,7 @@ def evaluate_checkpoint(run: Run, policy_dir: Path, *, progress: bool = True) ->
         temperature=cfg.eval.temperature,
         top_p=cfg.eval.top_p,
         seed=cfg.seed + 1,
+        iteration=0,
         progress=progress,
     )
     return {
@@ -57,17 +58,17 @@ def teacher_accuracy(run: Run, teacher_dir: Path, *, progress: bool = False) -> 
         for row in eval_rows[: cfg.data.eval_prompts]
     ]
     cols, _ = sample_groups(
-        run, rows=rows, policy_dir=teacher_dir, n=1, temperature=0.0, top_p=1.0, seed=cfg.seed, progress=progress
+        run, rows=rows, policy_dir=teacher_dir, n=1, temperature=0.0, top_p=1.0, seed=cfg.seed, iteration=0, progress=progress
     )
     return float(np.mean(np.asarray(cols["reward"]) >= 1.0))
 
 
-def run_evaluation(root: str, run_name: str, iteration: int, storage_options: dict | None = None) -> dict[str, float]:
+def run_evaluation(root: str, run_name: str, iteration: int) -> dict[str, float]:
     """Evaluate the policy written by `iteration` (0 = the initial model); cached in the store."""
-    from storage.manifest import read_eval, write_eval
+    from storage.stages import read_eval, write_eval
     from tasks.runtime import checkpoint_dir, open_run
 
-    run = open_run(root, run_name, storage_options)
+    run = open_run(root, run_name)
     cached = read_eval(run.layout, iteration)
     if cached is not None:
         return cached

@@ -74,6 +74,7 @@ def sample_groups(
     temperature: float,
     top_p: float,
     seed: int,
+    iteration: int,
     progress: bool = True,
 ) -> tuple[dict[str, Any], dict[str, float]]:
     """Sample `n` answers for each row and verify them. Returns (columns, metrics)."""
@@ -108,6 +109,7 @@ def sample_groups(
             verdict = verify(cfg, text, row["label"], truncated=gen.finish_reason == "length")
             cols["sample_id"].append(sample_id)
             cols["group_id"].append(group_id)
+            cols["iteration"].append(iteration)
             cols["prompt_id"].append(str(row["prompt_id"]))
             cols["prompt_messages"].append(row["prompt_messages"])
             cols["prompt_ids"].append(ids)
@@ -145,6 +147,7 @@ def sample_groups(
 _ROLLOUT_COLUMNS = (
     "sample_id",
     "group_id",
+    "iteration",
     "prompt_id",
     "prompt_messages",
     "prompt_ids",
@@ -164,14 +167,14 @@ _ROLLOUT_COLUMNS = (
 )
 
 
-def run_rollout(root: str, run_name: str, iteration: int, storage_options: dict | None = None) -> dict:
+def run_rollout(root: str, run_name: str, iteration: int) -> dict:
     """Rollout stage of `iteration`: returns its manifest (skips when already committed)."""
     from storage.manifest import read_stage_manifest, stage_done
     from storage.shards import write_stage
     from tasks.data import iteration_prompts, load_splits
     from tasks.runtime import open_run
 
-    run = open_run(root, run_name, storage_options)
+    run = open_run(root, run_name)
     cfg = run.cfg
     if stage_done(run.layout, iteration, "rollout"):
         logger.info("iteration %d rollout already committed; reusing it", iteration)
@@ -191,6 +194,7 @@ def run_rollout(root: str, run_name: str, iteration: int, storage_options: dict 
         temperature=cfg.rollout.temperature,
         top_p=cfg.rollout.top_p,
         seed=cfg.seed * 1_000_003 + iteration,
+        iteration=iteration,
     )
     metrics["rollout/stage_seconds"] = time.perf_counter() - started
     return write_stage(

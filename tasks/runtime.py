@@ -9,8 +9,6 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
 from storage.checkpoints import download_checkpoint
 from storage.layout import RunLayout, read_run_config
 from tasks.config import RunConfig, build_config
@@ -28,9 +26,13 @@ class Run:
         return self.layout.run_url
 
 
-def open_run(root: str, run: str, storage_options: dict[str, Any] | None = None) -> Run:
-    """Open an existing run: its layout and the config frozen in run.json."""
-    layout = RunLayout(root, run, storage_options=storage_options or None)
+def open_run(root: str, run: str) -> Run:
+    """Open an existing run: its layout and the config frozen in run.json.
+
+    Storage options come from those registered for `root` in this process
+    (`storage.urls.register_options`) or from the standard environment.
+    """
+    layout = RunLayout(root, run)
     cfg = build_config(read_run_config(layout))
     return Run(layout=layout, cfg=cfg)
 
@@ -38,8 +40,7 @@ def open_run(root: str, run: str, storage_options: dict[str, Any] | None = None)
 def checkpoint_dir(run: Run, iteration: int, kind: str) -> Path:
     """A verified local copy of checkpoint `kind` ('policy' / 'teacher') written by `iteration`.
 
-    Iteration 0 is the initial model. A teacher that was never written separately (static and
-    live teachers) resolves to the policy it equals.
+    Iteration 0 is the initial model.
     """
     return download_checkpoint(
         run.layout,
@@ -59,6 +60,8 @@ def teacher_source(run: Run, iteration: int) -> tuple[Path, Path | None]:
     """
     mode = run.cfg.teacher.update
     previous = iteration - 1
+    if mode == "ema" and previous == 0:
+        return checkpoint_dir(run, 0, "policy"), None  # the EMA teacher starts as the initial policy
     if mode == "static":
         return checkpoint_dir(run, 0, "policy"), None
     if mode == "live":

@@ -59,7 +59,7 @@ def build_contexts(run: Run, columns: dict[str, Any]) -> tuple[list[Any], dict[s
     return contexts, metrics
 
 
-def run_teacher(root: str, run_name: str, iteration: int, storage_options: dict | None = None) -> dict:
+def run_teacher(root: str, run_name: str, iteration: int) -> dict:
     """Teacher stage of `iteration`: returns its manifest (skips when already committed)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -71,7 +71,7 @@ def run_teacher(root: str, run_name: str, iteration: int, storage_options: dict 
     from tasks.rollout import render_prompt_ids
     from tasks.runtime import open_run, teacher_source
 
-    run = open_run(root, run_name, storage_options)
+    run = open_run(root, run_name)
     cfg = run.cfg
     if stage_done(run.layout, iteration, "teacher"):
         logger.info("iteration %d teacher stage already committed; reusing it", iteration)
@@ -82,8 +82,8 @@ def run_teacher(root: str, run_name: str, iteration: int, storage_options: dict 
     columns = read_stage_columns(run.layout, iteration, "rollout", verify=cfg.storage.verify_sha256)
     n_rows = len(columns["sample_id"])
 
-    rewards = torch.as_tensor(np.asarray(columns["reward"], dtype=np.float32))
-    group_ids = torch.as_tensor(np.asarray(columns["group_id"], dtype=np.int64))
+    rewards = torch.from_numpy(np.array(columns["reward"], dtype=np.float32))
+    group_ids = torch.from_numpy(np.array(columns["group_id"], dtype=np.int64))
     advantages = group_advantages(rewards, group_ids, normalize_std=cfg.loss.grpo_normalize_std)
 
     metrics: dict[str, float] = {}

@@ -136,7 +136,8 @@ class MegatronTrainer:
         init_parallel(tensor_parallel=cfg.train.tensor_parallel, seed=cfg.seed)
         self.hf_config = AutoConfig.from_pretrained(str(hf_dir))
         dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
-        model = build_gpt_model(self.hf_config, params_dtype=dtype)
+        # Gathered (not vocab-sharded) logits: the loss takes a full-vocabulary logsumexp.
+        model = build_gpt_model(self.hf_config, params_dtype=dtype, parallel_output=False)
         load_hf_into_megatron(model, str(hf_dir))
         self.vocab_size = int(self.hf_config.vocab_size)
         self._wrap(model)
@@ -322,13 +323,17 @@ def get_trainer(run: Run, iteration: int) -> MegatronTrainer:
     from storage.checkpoints import checkpoint_exists
     from tasks.runtime import checkpoint_dir
 
+    from tasks.megatron.parallel import init_parallel
+
     trainer = _TRAINERS.get(run.url)
     if trainer is not None and trainer.iteration == iteration - 1:
+        # The CPU compatibility patches are per thread; a stage may run on a new worker thread.
+        init_parallel(tensor_parallel=run.cfg.train.tensor_parallel, seed=run.cfg.seed + iteration)
         return trainer
     policy_dir = checkpoint_dir(run, iteration - 1, "policy")
     trainer = MegatronTrainer(run.cfg, policy_dir)
     if iteration - 1 > 0:
-        if checkpoint_exists(run.layout, f"iter-{iteration - 1}", "megatron"):
+        if checkpoint_exists(run.layout, iteration - 1, "megatron"):
             trainer.load_megatron(checkpoint_dir(run, iteration - 1, "megatron"))
         else:
             logger.warning(
@@ -350,9 +355,9 @@ def update_teacher(run: Run, iteration: int, policy_dir: Path, out_dir: Path) ->
     from safetensors.torch import load_file, save_file
 
     from sdpo_core.teacher_update import ema_update_
-    from tasks.runtime import checkpoint_dir
+    from tasks.runtime import teacher_source
 
-    previous = checkpoint_dir(run, iteration - 1, "teacher")
+    previous, _ = teacher_source(run, iteration)
     teacher = load_file(str(previous / "model.safetensors"))
     student = load_file(str(policy_dir / "model.safetensors"))
     ema_update_(teacher, student, rate=run.cfg.teacher.update_rate)
@@ -361,14 +366,15 @@ def update_teacher(run: Run, iteration: int, policy_dir: Path, out_dir: Path) ->
     return True
 
 
-def run_train(root: str, run_name: str, iteration: int, storage_options: dict | None = None) -> dict:
+def run_train(root: str, run_name: str, iteration: int) -> dict:
     """Training stage of `iteration`: returns its manifest (skips when already committed)."""
-    from storage.checkpoints import upload_checkpoint
-    from storage.manifest import read_stage_manifest, stage_done, write_stage_manifest
+    from storage.checkpoints import resolve_checkpoint, upload_checkpoint
+    from storage.manifest import read_stage_manifest, stage_done
+    from storage.stages import write_stage_manifest
     from storage.shards import read_stage_columns
     from tasks.runtime import open_run
 
-    run = open_run(root, run_name, storage_options)
+    run = open_run(root, run_name)
     cfg = run.cfg
     if stage_done(run.layout, iteration, "train"):
         logger.info("iteration %d training already committed; reusing it", iteration)
@@ -392,15 +398,18 @@ def run_train(root: str, run_name: str, iteration: int, storage_options: dict | 
         policy_dir = tmp_path / "policy"
         trainer.save_hf(policy_dir, base_dir)
         policy_manifest = upload_checkpoint(
-            policy_dir, run.layout, iteration, "policy", parent=f"iter-{iteration - 1}", trained_on=[parent]
+            policy_dir,
+            run.layout,
+            iteration,
+            "policy",
+            parent=resolve_checkpoint(run.layout, iteration - 1, "policy"),
+            trained_on=[parent],
         )
         produced = [policy_manifest]
         teacher_dir = tmp_path / "teacher"
         if update_teacher(run, iteration, policy_dir, teacher_dir):
             produced.append(
-                upload_checkpoint(
-                    teacher_dir, run.layout, iteration, "teacher", parent=f"iter-{iteration - 1}", trained_on=[parent]
-                )
+                upload_checkpoint(teacher_dir, run.layout, iteration, "teacher", parent=policy_manifest, trained_on=[parent])
             )
         last = iteration == cfg.iterations
         if last or iteration % cfg.train.megatron_checkpoint_every == 0:
@@ -408,9 +417,7 @@ def run_train(root: str, run_name: str, iteration: int, storage_options: dict | 
             mdir = tmp_path / "megatron"
             trainer.save_megatron(mdir, iteration=iteration)
             produced.append(
-                upload_checkpoint(
-                    mdir, run.layout, iteration, "megatron", parent=f"iter-{iteration - 1}", trained_on=[parent]
-                )
+                upload_checkpoint(mdir, run.layout, iteration, "megatron", parent=policy_manifest, trained_on=[parent])
             )
             metrics["train/megatron_save_seconds"] = time.perf_counter() - save_started
     metrics["train/stage_seconds"] = time.perf_counter() - started

@@ -51,7 +51,6 @@ MADE_FOR = ("0.16.1", "0.19.2")
 _CLIP_NAME = "clip_grad_by_total_norm_fp32"
 
 
-
 class _ThreadState(threading.local):
     """The device-rewrite mode entered in the current thread (torch's mode stack is per thread)."""
 

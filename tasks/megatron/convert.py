@@ -39,6 +39,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "SUPPORTED_MODEL_TYPES",
     "check_supported_config",
+    "head_dim_of",
     "padded_vocab_size",
     "interleave_qkv",
     "split_qkv",
@@ -112,6 +113,13 @@ def check_supported_config(hf_config: Any) -> str:
     return model_type
 
 
+def head_dim_of(hf_config: Any) -> int:
+    """Per-head width: `head_dim` when the config sets it (Qwen3 decouples it), else H / heads."""
+    if hf_config.head_dim is not None:
+        return int(hf_config.head_dim)
+    return hf_config.hidden_size // hf_config.num_attention_heads
+
+
 def padded_vocab_size(vocab_size: int, *, tensor_parallel: int) -> int:
     """The vocabulary rounded up to a multiple of the tensor-parallel size."""
     return -(-vocab_size // tensor_parallel) * tensor_parallel
@@ -132,13 +140,12 @@ class _Shape:
     @classmethod
     def of(cls, hf_config: Any) -> _Shape:
         model_type = check_supported_config(hf_config)
-        head_dim = hf_config.head_dim or hf_config.hidden_size // hf_config.num_attention_heads
         return cls(
             model_type=model_type,
             num_layers=hf_config.num_hidden_layers,
             num_heads=hf_config.num_attention_heads,
             num_query_groups=hf_config.num_key_value_heads,
-            head_dim=int(head_dim),
+            head_dim=head_dim_of(hf_config),
             vocab_size=hf_config.vocab_size,
             tied=bool(hf_config.tie_word_embeddings),
         )
@@ -244,7 +251,8 @@ def hf_to_megatron(
     for layer in range(shape.num_layers):
         hf_prefix, mc_prefix = f"model.layers.{layer}.", f"decoder.layers.{layer}."
         for hf_name, (mc_name, kind) in shape.layer_names().items():
-            out[mc_prefix + mc_name] = to_rank(take(hf_prefix + hf_name), kind, mc_name)
+            name = mc_prefix + mc_name
+            out[name] = to_rank(take(hf_prefix + hf_name), kind, name)
         for param in shape.qkv_params():
             name = f"{mc_prefix}self_attention.linear_qkv.{param}"
             q, k, v = (take(f"{hf_prefix}self_attn.{p}_proj.{param}") for p in "qkv")
@@ -282,9 +290,9 @@ def _kind_of(mc_name: str) -> str:
 
 def _merge_ranks(name: str, shards: list[Tensor]) -> Tensor:
     """One full tensor from its per-rank shards."""
-    kind = _kind_of(name)
     if len(shards) == 1:
         return shards[0]
+    kind = _kind_of(name)
     if kind == _REPLICATED:
         for rank, shard in enumerate(shards[1:], start=1):
             if not torch.equal(shard, shards[0]):

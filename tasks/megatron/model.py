@@ -24,6 +24,7 @@ import torch
 from tasks.megatron.convert import (
     SUPPORTED_MODEL_TYPES,
     check_supported_config,
+    head_dim_of,
     padded_vocab_size,
 )
 
@@ -39,12 +40,6 @@ __all__ = [
     "rope_settings_from_hf",
     "build_gpt_model",
 ]
-
-def _head_dim(hf_config: Any) -> int:
-    head_dim = hf_config.head_dim
-    if head_dim is None:
-        head_dim = hf_config.hidden_size // hf_config.num_attention_heads
-    return int(head_dim)
 
 
 def rope_settings_from_hf(hf_config: Any) -> dict[str, Any]:
@@ -105,7 +100,7 @@ def transformer_config_from_hf(
         ffn_hidden_size=hf_config.intermediate_size,
         num_attention_heads=n_heads,
         num_query_groups=n_kv,
-        kv_channels=_head_dim(hf_config),
+        kv_channels=head_dim_of(hf_config),
         normalization="RMSNorm",
         layernorm_epsilon=hf_config.rms_norm_eps,
         gated_linear_unit=True,

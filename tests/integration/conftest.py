@@ -160,7 +160,10 @@ def _handler(proxy: FaultProxy, target: tuple[str, int]) -> type[http.server.Bas
             fault = proxy.take(self.command, self.path)
             if fault is not None and fault.kind in _ERROR_BODY:
                 status, code, message = _ERROR_BODY[fault.kind]
-                payload = f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{code}</Code><Message>{message}</Message></Error>'.encode()
+                payload = (
+                    f'<?xml version="1.0" encoding="UTF-8"?>'
+                    f"<Error><Code>{code}</Code><Message>{message}</Message></Error>"
+                ).encode()
                 self.send_response(status)
                 self.send_header("Content-Type", "application/xml")
                 self.send_header("Content-Length", str(len(payload)))

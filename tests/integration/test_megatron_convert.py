@@ -99,6 +99,24 @@ def test_hf_to_megatron_logits_match_hf(mcore, model_type, tied):
     assert max_logit_diff(hf_model, megatron_from_hf(hf_model)) < 1e-5
 
 
+def test_llama3_rope_scaling_matches_hf(mcore):
+    config = tiny_config("llama", tied=True)
+    config.rope_parameters = {
+        "rope_type": "llama3",
+        "rope_theta": 5e5,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    torch.manual_seed(0)
+    hf_model = AutoModelForCausalLM.from_config(config).eval()
+    assert max_logit_diff(hf_model, megatron_from_hf(hf_model)) < 1e-5
+    config.rope_parameters["high_freq_factor"] = 2.0
+    with pytest.raises(NotImplementedError, match="high_freq_factor"):
+        build_gpt_model(config)
+
+
 @pytest.mark.parametrize(("model_type", "tied"), FAMILIES)
 def test_megatron_to_hf_round_trip_is_exact(mcore, model_type, tied):
     hf_model = tiny_hf_model(model_type, tied=tied)

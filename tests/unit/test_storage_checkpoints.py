@@ -18,6 +18,7 @@ from storage import (
     RunLayout,
     ShardWriter,
     StageOutput,
+    checkpoint_exists,
     commit_iteration,
     create_or_open_run,
     download_checkpoint,
@@ -148,7 +149,8 @@ def test_resolve_latest_follows_committed_iterations(layout: RunLayout, tmp_path
 
 def test_lineage_follows_parents_and_training_data(layout: RunLayout, tmp_path: Path) -> None:
     t0, t1 = _teacher_stage(layout, 0), _teacher_stage(layout, 1)
-    p0 = upload_checkpoint(_megatron_like(tmp_path / "a"), layout, 0, "policy", parent="Qwen/Qwen3-0.6B", trained_on=[t0])
+    p0 = upload_checkpoint(_megatron_like(tmp_path / "a"), layout, 0, "policy", parent="Qwen/Qwen3-0.6B",
+                           trained_on=[t0])
     upload_checkpoint(_megatron_like(tmp_path / "b", seed=1), layout, 0, "teacher", parent=p0)
     p1 = upload_checkpoint(_megatron_like(tmp_path / "c", seed=2), layout, 1, "policy", parent=p0, trained_on=[t1])
     records = lineage(layout)
@@ -170,6 +172,15 @@ def test_lineage_flags_a_parent_whose_manifest_changed(layout: RunLayout, tmp_pa
                              layout.store.read_bytes(layout.checkpoint_manifest(0, "policy")) + b" ")
     assert lineage(layout)[1].parent_ok is False
     assert "NO" in format_lineage(lineage(layout)).splitlines()[2]
+
+
+def test_megatron_checkpoints_are_a_kind_and_refs_resolve(layout: RunLayout, tmp_path: Path) -> None:
+    assert not checkpoint_exists(layout, "iter-1", "megatron")
+    upload_checkpoint(_megatron_like(tmp_path / "m"), layout, 1, "megatron", parent=None)
+    assert checkpoint_exists(layout, "iter-1", "megatron") and checkpoint_exists(layout, 1, "megatron")
+    assert not checkpoint_exists(layout, 1, "policy")
+    with pytest.raises(ValueError, match="unknown checkpoint kind 'optimizer'"):
+        checkpoint_exists(layout, 1, "optimizer")
 
 
 def test_empty_or_missing_folder_is_refused(layout: RunLayout, tmp_path: Path) -> None:

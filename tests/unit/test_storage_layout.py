@@ -73,8 +73,12 @@ def test_layout_builds_every_run_path(tmp_path: Path) -> None:
     assert layout.relative(layout.shard(1, "train", 0)) == "iter-1/train/part-00000.parquet"
 
 
-@pytest.mark.parametrize("bad", [lambda l: l.stage_dir(0, "score"), lambda l: l.checkpoint_dir(0, "critic"),
-                                 lambda l: l.stage_dir(-1, "rollout"), lambda l: l.stage_file(0, "train", "_manifest.json")])
+@pytest.mark.parametrize("bad", [
+    lambda l: l.stage_dir(0, "score"),
+    lambda l: l.checkpoint_dir(0, "critic"),
+    lambda l: l.stage_dir(-1, "rollout"),
+    lambda l: l.stage_file(0, "train", "_manifest.json"),
+])
 def test_layout_refuses_unknown_stage_kind_or_iteration(bad, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(ValueError):
         bad(RunLayout(str(tmp_path), "r"))
@@ -84,6 +88,11 @@ def test_layout_refuses_unknown_stage_kind_or_iteration(bad, tmp_path: Path) -> 
 def test_run_name_must_be_a_plain_name(name: str, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="run name"):
         RunLayout(str(tmp_path), name)
+
+
+def test_local_dir_only_for_local_roots(tmp_path: Path) -> None:
+    assert RunLayout(str(tmp_path), "r").local_dir == tmp_path / "r"
+    assert RunLayout("memory://x", "r").local_dir is None
 
 
 def test_layout_repr_hides_storage_options() -> None:

@@ -23,16 +23,21 @@ from storage import (
     commit_iteration,
     config_hash,
     create_or_open_run,
-    iteration_done,
+    iteration_committed,
     read_iteration_manifest,
     read_latest,
+    read_eval,
+    read_run_config,
     read_stage_file,
     read_stage_manifest,
     read_table,
     stage_done,
     upload_checkpoint,
+    write_eval,
+    write_stage_manifest,
 )
-from storage.manifest import code_version, plain_metrics
+from storage.manifest import plain_metrics
+from storage.provenance import code_version
 from storage.objects import sha256_bytes
 from storage.synthetic import synthetic_columns
 
@@ -50,7 +55,7 @@ def layout(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[RunLayout
         memory.rm(root, recursive=True)
 
 
-def _rollout(layout: RunLayout, n: int, *, rows: int = 6, commit: bool = True, seed: int = 0):  # type: ignore[no-untyped-def]
+def _rollout(layout: RunLayout, n: int, *, rows: int = 6, commit: bool = True, seed: int = 0):  # type: ignore
     output = StageOutput(layout, n, "rollout")
     with ShardWriter(output, ROLLOUT, top_k=4, rows_per_shard=4, row_group_size=2) as writer:
         writer.write(synthetic_columns(iteration=n, n_rows=rows, top_k=4, rng=np.random.default_rng(seed), vocab=500))
@@ -68,7 +73,8 @@ def test_stage_manifest_records_files_digests_rows_and_provenance(layout: RunLay
     data = manifest.data
     assert manifest.path == "iter-0/rollout/_manifest.json"
     assert manifest.sha256 == sha256_bytes(layout.store.read_bytes(layout.stage_manifest(0, "rollout")))
-    assert [f["path"] for f in data["files"]] == ["iter-0/rollout/part-00000.parquet", "iter-0/rollout/part-00001.parquet"]
+    assert [f["path"] for f in data["files"]] == [
+        "iter-0/rollout/part-00000.parquet", "iter-0/rollout/part-00001.parquet"]
     assert [f["rows"] for f in data["files"]] == [4, 2] and data["rows"] == 6
     for entry in data["files"]:
         payload = layout.store.read_bytes(layout.url(entry["path"]))
@@ -97,7 +103,9 @@ def test_concurrent_commit_of_same_stage_loses_cleanly(layout: RunLayout) -> Non
         second.commit()
 
 
-def test_partial_stage_is_invisible_then_cleared_and_redone(layout: RunLayout, caplog: pytest.LogCaptureFixture) -> None:
+def test_partial_stage_is_invisible_then_cleared_and_redone(
+    layout: RunLayout, caplog: pytest.LogCaptureFixture
+) -> None:
     output = StageOutput(layout, 0, "rollout")
     with pytest.raises(RuntimeError, match="crash"), ShardWriter(output, ROLLOUT, top_k=4, row_group_size=2) as writer:
         writer.write(synthetic_columns(iteration=0, n_rows=5, top_k=4, rng=np.random.default_rng(0), vocab=500))
@@ -111,7 +119,8 @@ def test_partial_stage_is_invisible_then_cleared_and_redone(layout: RunLayout, c
     assert "no manifest" in caplog.text
     assert redone.data["rows"] == 3 and read_table(layout, 0, "rollout").num_rows == 3
     files = layout.store.list_files(layout.stage_dir(0, "rollout"))
-    assert sorted(layout.relative(u) for u in files) == sorted([f["path"] for f in redone.data["files"]] + [redone.path])
+    committed = [f["path"] for f in redone.data["files"]] + [redone.path]
+    assert sorted(layout.relative(u) for u in files) == sorted(committed)
 
 
 def test_parents_are_named_by_digest_and_verified(layout: RunLayout) -> None:
@@ -147,7 +156,7 @@ def test_commit_iteration_names_every_part_then_moves_latest(layout: RunLayout, 
     assert read_latest(layout) is None
     _iteration(layout, 0, tmp_path)
     manifest = commit_iteration(layout, 0, metrics={"sdpo/loss": np.float32(0.25)}, timings={"rollout_s": 1.5})
-    assert read_latest(layout) == 0 and iteration_done(layout, 0)
+    assert read_latest(layout) == 0 and iteration_committed(layout, 0)
     assert set(manifest.data["stages"]) == {"rollout", "teacher", "train"}
     assert manifest.data["stages"]["rollout"] == read_stage_manifest(layout, 0, "rollout").ref
     assert manifest.data["checkpoints"]["policy"]["path"] == "checkpoints/iter-0/policy/_manifest.json"
@@ -165,10 +174,21 @@ def test_iterations_commit_in_order_and_only_when_complete(layout: RunLayout, tm
     _rollout(layout, 0)
     with pytest.raises(NotCommittedError, match="iter-0/teacher"):
         commit_iteration(layout, 0, metrics={})
-    assert read_latest(layout) is None and not iteration_done(layout, 0)
-    _iteration(layout, 1, tmp_path)
-    with pytest.raises(ValueError, match="LATEST is None, need 0"):
-        commit_iteration(layout, 1, metrics={})
+    assert read_latest(layout) is None and not iteration_committed(layout, 0)
+    _iteration(layout, 1, tmp_path)  # a run may number its first iteration 1 (iter-0 = base model)
+    first = commit_iteration(layout, 1, metrics={})
+    assert first.data["previous"] is None and read_latest(layout) == 1
+    _iteration(layout, 3, tmp_path)
+    with pytest.raises(ValueError, match="LATEST is 1, need 2"):
+        commit_iteration(layout, 3, metrics={})
+    _iteration(layout, 2, tmp_path)
+    assert commit_iteration(layout, 2, metrics={}).data["previous"] == first.ref
+
+
+def test_manifest_reads_like_its_content(layout: RunLayout) -> None:
+    manifest = _rollout(layout, 0)
+    assert manifest["metrics"] == {"rollout/reward_mean": 0.5} and manifest.get("absent") is None
+    assert dict(manifest) == manifest.data and "files" in manifest
 
 
 def test_interrupted_commit_is_finished_by_the_rerun(layout: RunLayout, tmp_path: Path) -> None:
@@ -178,6 +198,29 @@ def test_interrupted_commit_is_finished_by_the_rerun(layout: RunLayout, tmp_path
     again = commit_iteration(layout, 0, metrics={"ignored": 1})
     assert again == read_iteration_manifest(layout, 0) and again.sha256 == manifest.sha256
     assert read_latest(layout) == 0
+
+
+def test_stage_without_files_commits_its_parents_and_metrics(layout: RunLayout, tmp_path: Path) -> None:
+    teacher = _stage(layout, 0, "teacher")
+    (tmp_path / "w").mkdir()
+    (tmp_path / "w" / "model.safetensors").write_bytes(b"w")
+    policy = upload_checkpoint(tmp_path / "w", layout, 0, "policy", parent=None, trained_on=[teacher])
+    train = write_stage_manifest(layout, 0, "train", parents=[teacher, policy], metrics={"train/loss": 0.3})
+    assert train["files"] == [] and train["parents"] == [teacher.ref, policy.ref]
+    assert read_stage_manifest(layout, 0, "train") == train
+
+
+def test_eval_metrics_are_committed_once_per_checkpoint(layout: RunLayout) -> None:
+    assert read_eval(layout, 0) is None
+    write_eval(layout, 0, {"eval/greedy_accuracy": 0.25})
+    assert read_eval(layout, 0) == {"eval/greedy_accuracy": 0.25}
+    assert json.loads(read_stage_file(layout, 0, "eval", "metrics.json")) == {"eval/greedy_accuracy": 0.25}
+    with pytest.raises(AlreadyCommittedError):
+        write_eval(layout, 0, {"eval/greedy_accuracy": 0.5})
+
+
+def test_run_config_reads_back(layout: RunLayout) -> None:
+    assert read_run_config(layout) == CONFIG
 
 
 def test_manifest_metrics_must_be_finite_json_numbers() -> None:

@@ -27,9 +27,11 @@ from storage import (
     create_or_open_run,
     ragged,
     read_batches,
+    read_stage_columns,
     read_stage_manifest,
     read_table,
     topk,
+    write_stage,
 )
 from storage.synthetic import synthetic_columns, synthetic_topk
 
@@ -59,6 +61,11 @@ def _write(layout: RunLayout, batches: list[dict], *, stage: str = "rollout", sc
 def _columns(n_rows: int, *, first: int = 0, teacher: bool = False, seed: int = 0) -> dict:
     return synthetic_columns(iteration=0, n_rows=n_rows, top_k=K, rng=np.random.default_rng(seed),
                              first_sample_id=first, teacher=teacher, vocab=1000)
+
+
+def _drop_last_token(value: Ragged) -> Ragged:
+    """The same rows with the very last token missing (the last row is one short)."""
+    return Ragged(value.values[:-1], np.minimum(value.offsets, len(value.values) - 1))
 
 
 def _flat(value: Ragged) -> np.ndarray:
@@ -97,7 +104,36 @@ def test_teacher_round_trip_with_float16_logprobs(layout: RunLayout) -> None:
     np.testing.assert_array_equal(sampled.values, columns["teacher_sampled_logprobs"].values)
     np.testing.assert_array_equal(batch.column("sample_mask").to_numpy(zero_copy_only=False), columns["sample_mask"])
     assert read_stage_manifest(layout, 0, "teacher").data["schema"] == {
-        "name": "teacher", "version": 1, "top_k": K, "logprob_dtype": "float16", "topk_layout": "list<fixed_size_list<K>>"}
+        "name": "teacher", "version": 1, "top_k": K, "logprob_dtype": "float16",
+        "topk_layout": "list<fixed_size_list<K>>"}
+
+
+def test_write_stage_and_read_stage_columns_round_trip_per_row(layout: RunLayout) -> None:
+    columns = _columns(7, teacher=True)
+    manifest = write_stage(layout, 0, "teacher", columns, metrics={"teacher/x": 1.0})
+    assert manifest["schema"]["top_k"] == K and manifest["metrics"] == {"teacher/x": 1.0}
+    back = read_stage_columns(layout, 0, "teacher")
+    assert set(back) == set(TEACHER.names)
+    values, offsets = columns["topk_logprobs"]
+    for i in range(7):
+        np.testing.assert_array_equal(back["topk_logprobs"][i], values[offsets[i]:offsets[i + 1]])
+        assert back["topk_ids"][i].shape == (offsets[i + 1] - offsets[i], K)
+        assert len(back["teacher_sampled_logprobs"][i]) == offsets[i + 1] - offsets[i]
+    np.testing.assert_array_equal(back["reward"], columns["reward"])
+    np.testing.assert_array_equal(back["advantage"], columns["advantage"])
+    assert back["prompt_messages"] == columns["prompt_messages"] and back["feedback"] == columns["feedback"]
+    some = read_stage_columns(layout, 0, "teacher", columns=["sample_id", "response_ids"])
+    assert set(some) == {"sample_id", "response_ids"}
+
+
+def test_write_stage_infers_k_or_needs_it_for_no_rows(layout: RunLayout) -> None:
+    empty = {name: [] for name in ROLLOUT.names}
+    with pytest.raises(ValueError, match="pass top_k"):
+        write_stage(layout, 0, "rollout", empty)
+    assert write_stage(layout, 0, "rollout", empty, top_k=K)["rows"] == 0
+    assert read_stage_columns(layout, 0, "rollout")["topk_ids"] == []
+    with pytest.raises(ValueError, match="not 'train'"):
+        write_stage(layout, 0, "train", _columns(2))
 
 
 def test_python_lists_and_ragged_inputs_are_equivalent(layout: RunLayout) -> None:
@@ -138,10 +174,9 @@ def test_row_groups_and_shards_are_bounded(layout: RunLayout) -> None:
 @pytest.mark.parametrize(
     "mutate, match",
     [
-        (lambda c: c.update(sampled_logprobs=Ragged(c["sampled_logprobs"].values[:-1],
-                                                    np.minimum(c["sampled_logprobs"].offsets, len(c["sampled_logprobs"].values) - 1))),
-         "len\\(sampled_logprobs\\)"),
-        (lambda c: c.update(topk_ids=Ragged(c["topk_ids"].values[:, :4], c["topk_ids"].offsets)), "must be \\[N_tokens, 8\\]"),
+        (lambda c: c.update(sampled_logprobs=_drop_last_token(c["sampled_logprobs"])), "len\\(sampled_logprobs\\)"),
+        (lambda c: c.update(topk_ids=Ragged(c["topk_ids"].values[:, :4], c["topk_ids"].offsets)),
+         "must be \\[N_tokens, 8\\]"),
         (lambda c: c.update(finish_reason=["stop"] * 3 + ["abort"]), "finish_reason 'abort'"),
         (lambda c: c.update(iteration=np.full(4, 2, np.int32)), "iteration is 2"),
         (lambda c: c.update(sample_id=np.array([0, 1, 1, 2])), "duplicate sample_id"),
@@ -153,9 +188,10 @@ def test_row_groups_and_shards_are_bounded(layout: RunLayout) -> None:
         (lambda c: c["topk_logprobs"].values.__setitem__((0, 0), np.nan), "'topk_logprobs' holds NaN"),
         (lambda c: c["sampled_logprobs"].values.__setitem__(0, 0.5), "'sampled_logprobs' holds NaN or a value > "),
         (lambda c: c["response_ids"].values.__setitem__(0, -3), "negative value -3 in 'response_ids'"),
+        (lambda c: c["reward"].__setitem__(1, np.inf), "'reward' is not finite"),
     ],
 )
-def test_writer_rejects_rows_breaking_invariants(layout: RunLayout, mutate, match: str) -> None:  # type: ignore[no-untyped-def]
+def test_writer_rejects_rows_breaking_invariants(layout: RunLayout, mutate, match: str) -> None:  # type: ignore
     columns = _columns(4)
     mutate(columns)
     output = StageOutput(layout, 0, "rollout")
@@ -165,8 +201,9 @@ def test_writer_rejects_rows_breaking_invariants(layout: RunLayout, mutate, matc
 
 def test_sample_ids_must_be_unique_across_batches(layout: RunLayout) -> None:
     output = StageOutput(layout, 0, "rollout")
-    with pytest.raises(ShardInvariantError, match="duplicate sample_id"), ShardWriter(output, ROLLOUT, top_k=K) as writer:
-        writer.write(_columns(4))
+    writer = ShardWriter(output, ROLLOUT, top_k=K)
+    writer.write(_columns(4))
+    with pytest.raises(ShardInvariantError, match="duplicate sample_id"):
         writer.write(_columns(4))
 
 
@@ -218,6 +255,26 @@ def test_verification_can_be_switched_off(layout: RunLayout) -> None:
         list(read_batches(layout, 0, "rollout"))
     unchecked = read_table(layout, 0, "rollout", verify=False)
     assert unchecked.equals(read_table(layout, 0, "eval"))
+
+
+def test_empty_stage_commits_and_reads_as_empty_table(layout: RunLayout) -> None:
+    output = StageOutput(layout, 0, "rollout")
+    with ShardWriter(output, ROLLOUT, top_k=K):
+        pass
+    manifest = output.commit()
+    assert manifest.data["files"] == [] and manifest.data["rows"] == 0
+    table = read_table(layout, 0, "rollout")
+    assert table.num_rows == 0 and table.schema.names == list(ROLLOUT.names)
+
+
+def test_stage_with_open_writer_cannot_commit(layout: RunLayout) -> None:
+    output = StageOutput(layout, 0, "rollout")
+    writer = ShardWriter(output, ROLLOUT, top_k=K)
+    writer.write(_columns(2))
+    with pytest.raises(ValueError, match="close the shard writer"):
+        output.commit()
+    writer.close()
+    assert output.commit().data["rows"] == 2
 
 
 def test_uncommitted_stage_cannot_be_read(layout: RunLayout) -> None:

@@ -1,0 +1,288 @@
+"""Verifier for math answers: final-answer extraction and numeric / symbolic comparison.
+
+Final answer: the content of the last `\\boxed{…}` (or `\\fbox{…}`, nested braces allowed), else the
+text after the last GSM8K-style `####`, else (only with `allow_last_number=True`) the last number in
+the response. A label may be a bare answer or a whole GSM8K solution ending in `#### 72`.
+
+Comparison, after normalisation (dollar signs, `\\left`/`\\right`, spacing commands, `\\text{}`
+wrappers, thousands separators "1,000", a trailing unit word or `%`, "x = " prefixes):
+1. as numbers: integers, decimals, scientific notation, `a/b`, `\\frac{a}{b}` (also `\\dfrac`,
+   `\\tfrac`, `\\frac12`), exactly as fractions, else within a relative 1e-6;
+2. as tuples: top-level comma lists compare element by element ("(1, 2)");
+3. symbolically with sympy (`\\sqrt`, `\\pi`, powers, implicit products), only for short
+   expressions made of whitelisted tokens, since sympy's parser evaluates its input;
+4. else as normalised strings.
+
+Feedback never reveals the expected answer unless `reveal_answer=True`.
+"""
+
+from __future__ import annotations
+
+import re
+from fractions import Fraction
+from functools import lru_cache
+
+from sdpo_core.records import Verdict
+
+__all__ = ["FORMAT_ERROR", "TRUNCATED", "answers_match", "extract_final_answer", "normalise", "to_number", "verify"]
+
+TRUNCATED = "Your response was truncated because it exceeded the maximum length. Give the final answer earlier."
+FORMAT_ERROR = "Your answer had the wrong format. Put the final answer inside \\boxed{} (or after '#### ' on the last line)."
+
+_BOX = re.compile(r"\\(?:boxed|fbox)\s*")
+_GSM8K = re.compile(r"####\s*([^\n]*)")
+_LAST_NUMBER = re.compile(r"[+-]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|[+-]?\.\d+")
+_NUMBER = re.compile(r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?")
+_THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
+_WRAPPERS = re.compile(r"\\(?:text|textbf|mathrm|mathbf|mbox|operatorname)\s*\{([^{}]*)\}")
+_SPACING = re.compile(r"\\[,;:! ]|\\left|\\right|\\displaystyle|~")
+_UNIT_SUFFIX = re.compile(r"^(.*?\d)\s*(?:\\?%|\^\s*\{?\\circ\}?|°|[A-Za-z][A-Za-z ]*)$")
+_SYMBOLIC_CHARS = re.compile(r"[A-Za-z0-9.+\-*/(),\s]*")
+_SYMBOLIC_FUNCTIONS = frozenset({"sqrt", "pi", "oo", "log", "exp", "sin", "cos", "tan"})
+_MAX_SYMBOLIC_CHARS = 120
+_MAX_EXPONENT = 1000
+
+
+def _braced(text: str, start: int) -> tuple[str, int] | None:
+    """(content, end) of the brace group opening at text[start] == "{", or None when unbalanced."""
+    depth = 0
+    for i in range(start, len(text)):
+        if text[i] == "{":
+            depth += 1
+        elif text[i] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[start + 1 : i], i + 1
+    return None
+
+
+def _last_boxed(text: str) -> str | None:
+    found = None
+    for m in _BOX.finditer(text):
+        if m.end() < len(text) and text[m.end()] == "{":
+            group = _braced(text, m.end())
+            if group is not None:
+                found = group[0]
+        else:  # "\boxed 5"
+            token = re.match(r"[^\s$]+", text[m.end():])
+            if token is not None:
+                found = token.group(0)
+    return found
+
+
+def extract_final_answer(text: str, *, allow_last_number: bool = False) -> str | None:
+    """The response's final answer as text, or None when it gives none in a recognised form."""
+    boxed = _last_boxed(text)
+    if boxed is not None and boxed.strip():
+        return boxed.strip()
+    marked = _GSM8K.findall(text)
+    if marked and marked[-1].strip():
+        return marked[-1].strip()
+    if allow_last_number:
+        numbers = _LAST_NUMBER.findall(text)
+        if numbers:
+            return numbers[-1]
+    return None
+
+
+def _replace_frac(text: str) -> str:
+    """\\frac{a}{b} and \\frac12 -> (a)/(b), innermost-safe by repeated passes."""
+    out = text
+    for _ in range(20):
+        m = re.search(r"\\[dt]?frac\s*", out)
+        if m is None:
+            return out
+        i = m.end()
+        parts = []
+        for _ in range(2):
+            if i < len(out) and out[i] == "{":
+                group = _braced(out, i)
+                if group is None:
+                    return out
+                parts.append(group[0])
+                i = group[1]
+            elif i < len(out) and out[i].isalnum():
+                parts.append(out[i])
+                i += 1
+            else:
+                return out
+        out = out[: m.start()] + f"({parts[0]})/({parts[1]})" + out[i:]
+    return out
+
+
+def normalise(answer: str) -> str:
+    """Canonical text of an answer: LaTeX noise, separators and units stripped."""
+    s = answer.strip()
+    if "####" in s:
+        s = s.rsplit("####", 1)[1]
+    s = s.strip().strip("$").strip()
+    s = re.sub(r"^\\\(|\\\)$|^\\\[|\\\]$", "", s).strip()
+    s = _SPACING.sub("", s)
+    s = _WRAPPERS.sub(r"\1", s)
+    s = s.replace("\\$", "").replace("\\%", "%").replace("dfrac", "frac").replace("tfrac", "frac")
+    s = _THOUSANDS.sub("", s)
+    s = s.rstrip(".").strip()
+    if re.match(r"^[A-Za-z]\s*=", s):  # "x = 5"
+        s = s.split("=", 1)[1].strip()
+    unit = _UNIT_SUFFIX.match(s)
+    if unit is not None and to_number(unit.group(1)) is not None:
+        s = unit.group(1).strip()
+    return s
+
+
+def _strip_outer_parens(s: str) -> str:
+    """"((x))" -> "x", but "(a)/(b)" stays whole."""
+    while s.startswith("(") and s.endswith(")"):
+        depth = 0
+        for i, ch in enumerate(s):
+            depth += {"(": 1, ")": -1}.get(ch, 0)
+            if depth == 0 and i < len(s) - 1:
+                return s
+        s = s[1:-1].strip()
+    return s
+
+
+def to_number(text: str) -> Fraction | None:
+    """The exact value of a plain number, a/b or \\frac{a}{b}; None for anything else."""
+    s = _replace_frac(text.strip().replace(" ", "")) if "frac" in text else text.strip().replace(" ", "")
+    s = _strip_outer_parens(s.strip())
+    sign = 1
+    if s.startswith("-") and "/" in s:
+        sign, s = -1, s[1:]
+    if _NUMBER.fullmatch(s):
+        return Fraction(s)
+    m = re.fullmatch(r"\(?([+-]?[\d.]+)\)?/\(?([+-]?[\d.]+)\)?", s)
+    if m is not None and _NUMBER.fullmatch(m.group(1)) and _NUMBER.fullmatch(m.group(2)):
+        denominator = Fraction(m.group(2))
+        if denominator == 0:
+            return None
+        return sign * Fraction(m.group(1)) / denominator
+    return None
+
+
+def _numbers_equal(a: Fraction, b: Fraction) -> bool:
+    if a == b:
+        return True
+    scale = max(abs(a), abs(b))
+    return abs(a - b) <= Fraction(1, 10**6) * scale
+
+
+def _split_top_level(s: str) -> list[str]:
+    inner = s
+    if len(s) >= 2 and s[0] in "([{" and s[-1] in ")]}":
+        inner = s[1:-1]
+    parts, depth, current = [], 0, ""
+    for ch in inner:
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        if ch == "," and depth == 0:
+            parts.append(current)
+            current = ""
+        else:
+            current += ch
+    parts.append(current)
+    return [p.strip() for p in parts]
+
+
+def _to_sympy_text(s: str) -> str | None:
+    s = _replace_frac(s)
+    s = re.sub(r"\\sqrt\s*\[([^\]]+)\]\s*\{([^{}]*)\}", r"((\2)**(1/(\1)))", s)
+    s = re.sub(r"\\sqrt\s*\{", "sqrt{", s)
+    s = re.sub(r"\\sqrt\s*(\d|[a-zA-Z])", r"sqrt(\1)", s)
+    for latex, plain in (("\\cdot", "*"), ("\\times", "*"), ("\\pi", "pi"), ("\\infty", "oo"), ("\\ln", "log"),
+                         ("\\exp", "exp"), ("\\sin", "sin"), ("\\cos", "cos"), ("\\tan", "tan")):
+        s = s.replace(latex, plain)
+    s = s.replace("{", "(").replace("}", ")").replace("^", "**")
+    if "\\" in s or len(s) > _MAX_SYMBOLIC_CHARS:
+        return None
+    if _SYMBOLIC_CHARS.fullmatch(s) is None or re.search(r"\.(?!\d)|(?<!\d)\.", s):
+        return None
+    if any(len(w) > 1 and w not in _SYMBOLIC_FUNCTIONS for w in re.findall(r"[A-Za-z]+", s)):
+        return None  # only known functions and one-letter variables: parse_expr evaluates its input
+    return s
+
+
+@lru_cache(maxsize=4096)
+def _sympy_equal(a: str, b: str) -> bool:
+    """Symbolic equality of two whitelisted expressions (sympy imported only when needed)."""
+    import sympy
+    from sympy.parsing.sympy_parser import (
+        TokenError,
+        convert_xor,
+        implicit_multiplication_application,
+        parse_expr,
+        standard_transformations,
+    )
+
+    names = {n: getattr(sympy, n) for n in ("sqrt", "pi", "oo", "log", "exp", "sin", "cos", "tan")}
+    names.update({c: sympy.Symbol(c) for c in "abcdefghjklmnopqrstuvwxyzABCDFGHJKLMNOPQRSTUVWXYZ"})
+    names.update({"e": sympy.E, "i": sympy.I, "E": sympy.E, "I": sympy.I})
+    transformations = standard_transformations + (implicit_multiplication_application, convert_xor)
+    # The input passed the token whitelist, so only these names can be referenced; no builtins.
+    global_dict = {**{k: v for k, v in vars(sympy).items() if not k.startswith("_")}, "__builtins__": {}}
+    try:
+        left, right = (
+            parse_expr(x, local_dict=dict(names), global_dict=dict(global_dict), transformations=transformations,
+                       evaluate=False)
+            for x in (a, b)
+        )
+    except (SyntaxError, TypeError, ValueError, AttributeError, ZeroDivisionError, sympy.SympifyError, TokenError):
+        return False
+    for expr in (left, right):
+        if not isinstance(expr, sympy.Basic) or sympy.count_ops(expr) > 60:
+            return False
+        for power in expr.atoms(sympy.Pow):
+            if power.exp.is_Number and abs(power.exp) > _MAX_EXPONENT:
+                return False
+    try:
+        return bool(sympy.simplify(left - right) == 0)
+    except (TypeError, ValueError, ZeroDivisionError, RecursionError):
+        return False
+
+
+def answers_match(answer: str, expected: str) -> bool:
+    """Whether two final answers are the same value (see the module docstring for the rules)."""
+    a, e = normalise(answer), normalise(expected)
+    if a == e:
+        return True
+    na, ne = to_number(a), to_number(e)
+    if na is not None and ne is not None:
+        return _numbers_equal(na, ne)
+    parts_a, parts_e = _split_top_level(a), _split_top_level(e)
+    if len(parts_e) > 1 or len(parts_a) > 1:
+        return len(parts_a) == len(parts_e) and all(answers_match(x, y) for x, y in zip(parts_a, parts_e, strict=True))
+    sa, se = _to_sympy_text(a), _to_sympy_text(e)
+    if sa is not None and se is not None:
+        return _sympy_equal(sa, se)
+    return a.replace(" ", "").lower() == e.replace(" ", "").lower()
+
+
+def verify(
+    response_text: str,
+    label: str,
+    *,
+    truncated: bool,
+    allow_last_number: bool = False,
+    reveal_answer: bool = False,
+) -> Verdict:
+    """Score one response against a final-answer label; 1.0 iff the final answers match.
+
+    `allow_last_number` accepts the last number of an unmarked response as its answer;
+    `reveal_answer` adds the expected answer to wrong-answer feedback.
+    """
+    if not label.strip():
+        raise ValueError("the math label is empty")
+    if truncated:
+        return Verdict(reward=0.0, feedback=TRUNCATED, truncated=True)
+    answer = extract_final_answer(response_text, allow_last_number=allow_last_number)
+    if answer is None:
+        return Verdict(reward=0.0, feedback=FORMAT_ERROR, format_error=True)
+    if answers_match(answer, label):
+        return Verdict(reward=1.0)
+    shown = answer if len(answer) <= 100 else answer[:97] + "..."
+    feedback = f"Your final answer {shown} is not correct."
+    if reveal_answer:
+        feedback += f" Expected: {normalise(label)}."
+    return Verdict(reward=0.0, feedback=feedback)

@@ -1,0 +1,365 @@
+"""Sandboxed execution of model-written programs against a test suite (the code verifier's runner).
+
+One call of `run_program` starts one sandboxed interpreter that runs every test of the suite in
+turn (tasks/sandbox_harness.py) and reports each test's raw output over a pipe; the parent enforces
+the per-test and total wall-clock limits by watching that pipe, and kills the whole process group on
+overrun. Expected outputs never enter the sandbox: `sdpo_core.verifiers.code.judge` compares them
+in the parent.
+
+Isolation levels (`SandboxLimits.isolation`):
+- "namespace" (Linux, root, `unshare` present): new network, mount, pid, ipc and uts namespaces.
+  The program sees a minimal root: read-only /usr and interpreter prefix, /dev/null, /dev/zero,
+  /dev/urandom and a size-limited tmpfs as working and home directory; the repository, home
+  directories, /tmp and /work do not exist there. It runs as a random unprivileged uid with
+  no_new_privs, so it can signal nothing outside, RLIMIT_NPROC bounds its processes and when the
+  sandbox's init process dies the kernel kills every process left in the pid namespace.
+  The network namespace has only a loopback that is down: every connect fails.
+- "process" (fallback): a plain child process with the same rlimits, a scrubbed environment and a
+  fresh temporary working directory; as root it also runs under a random unprivileged uid. File,
+  network, process and signal restrictions then rest on the Python-level guard alone (an audit
+  hook), which native code could bypass.
+- "auto": "namespace" when available, else "process" with a warning.
+The Python-level guard (`python_guard`) also runs on top of namespace isolation unless turned off.
+docs/tasks.md states the guarantees of each level.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from functools import lru_cache, partial
+from pathlib import Path
+from typing import Literal
+
+from sdpo_core.records import Verdict
+from sdpo_core.verifiers import code as code_verifier
+from sdpo_core.verifiers.code import EXEC_STATUSES, Execution, TestRunner, TestSuite
+
+__all__ = ["SandboxLimits", "namespace_isolation_available", "run_program", "runner", "verify_code"]
+
+logger = logging.getLogger(__name__)
+
+Isolation = Literal["auto", "namespace", "process"]
+_HARNESS = Path(__file__).with_name("sandbox_harness.py")
+_WORKDIR_IN_ROOT = "/sandbox"
+_UID_RANGE = (200_000, 260_000)  # unprivileged uids no account uses; a random one per run
+_STARTUP_GRACE_S = 5.0  # interpreter start before the first test; counts against total_s only
+_MIB = 2**20
+
+
+@dataclass(frozen=True, kw_only=True)
+class SandboxLimits:
+    """Resource limits of one sandboxed run.
+
+    `per_test_s` is the wall-clock limit of one test (a suite's own `time_limit` may lower it);
+    `total_s` bounds the whole run, interpreter start included. `memory_mb` is RLIMIT_AS,
+    `file_mb` RLIMIT_FSIZE and the cap on one test's captured output, `tmpfs_mb` the size of the
+    working directory (namespace isolation), `nproc` RLIMIT_NPROC (processes and threads).
+    """
+
+    per_test_s: float = 6.0
+    total_s: float = 60.0
+    memory_mb: int = 1024
+    stack_mb: int = 64
+    file_mb: int = 16
+    tmpfs_mb: int = 64
+    nproc: int = 32
+    nofile: int = 64
+    isolation: Isolation = "auto"
+    python_guard: bool = True
+
+    def __post_init__(self) -> None:
+        if not (self.per_test_s > 0 and self.total_s > 0):
+            raise ValueError(f"time limits must be > 0, got per_test_s={self.per_test_s}, total_s={self.total_s}")
+        for name in ("memory_mb", "stack_mb", "file_mb", "tmpfs_mb", "nproc", "nofile"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"SandboxLimits.{name} must be >= 1, got {getattr(self, name)}")
+        if self.isolation not in ("auto", "namespace", "process"):
+            raise ValueError(f"isolation must be auto, namespace or process, got {self.isolation!r}")
+        if self.isolation == "process" and not self.python_guard:
+            raise ValueError("isolation='process' relies on the Python guard; python_guard=False is only allowed with namespaces")
+
+
+@lru_cache(maxsize=1)
+def namespace_isolation_available() -> bool:
+    """True when this process can build the namespace sandbox (Linux, root, a working `unshare`)."""
+    unshare = shutil.which("unshare")
+    if sys.platform != "linux" or os.geteuid() != 0 or unshare is None:
+        return False
+    probe = subprocess.run(
+        [unshare, "--net", "--mount", "--pid", "--ipc", "--uts", "--fork", "--kill-child", "true"],
+        capture_output=True,
+        timeout=10,
+    )
+    if probe.returncode != 0:
+        logger.info("unshare probe failed (%s): %s", probe.returncode, probe.stderr.decode(errors="replace").strip())
+    return probe.returncode == 0
+
+
+def _isolation(limits: SandboxLimits) -> Literal["namespace", "process"]:
+    if limits.isolation == "process":
+        return "process"
+    if namespace_isolation_available():
+        return "namespace"
+    if limits.isolation == "namespace":
+        raise RuntimeError("isolation='namespace' needs Linux, root and a working `unshare`; none available here")
+    _warn_once(
+        "code sandbox: namespace isolation unavailable (needs root and unshare); falling back to a plain "
+        "process with rlimits and the Python-level guard only"
+    )
+    return "process"
+
+
+@lru_cache(maxsize=None)
+def _warn_once(message: str) -> None:
+    logger.warning(message)
+
+
+def _rlimits(limits: SandboxLimits, *, set_nproc: bool) -> dict[str, int]:
+    out = {
+        "RLIMIT_AS": limits.memory_mb * _MIB,
+        "RLIMIT_STACK": limits.stack_mb * _MIB,
+        "RLIMIT_FSIZE": limits.file_mb * _MIB,
+        "RLIMIT_NOFILE": limits.nofile,
+        "RLIMIT_CPU": int(limits.total_s) + 1,
+    }
+    if set_nproc:  # counted per uid: only meaningful when the sandbox has a uid of its own
+        out["RLIMIT_NPROC"] = limits.nproc
+    return out
+
+
+def _usable_by_others(python: str) -> bool:
+    """Whether a process of another, unprivileged uid can start `python` (every parent traversable)."""
+    path = Path(python)
+    dirs = [*path.parents, Path(sys.base_prefix).resolve() / "lib"]
+    return bool(os.stat(path).st_mode & 0o001) and all(os.stat(d).st_mode & 0o001 for d in dirs)
+
+
+def _scrubbed_env(home: str) -> dict[str, str]:
+    return {"PATH": "/usr/bin:/bin", "HOME": home, "TMPDIR": home, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"}
+
+
+class _Reader:
+    """Splits the result pipe into JSON messages; anything unreadable becomes {"event": "corrupt"}."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd, self.buffer, self.eof = fd, b"", False
+
+    def read(self, timeout: float) -> list[dict]:
+        ready, _, _ = select.select([self.fd], [], [], max(timeout, 0.0))
+        if not ready:
+            return []
+        chunk = os.read(self.fd, 1 << 20)
+        if not chunk:
+            self.eof = True
+        self.buffer += chunk
+        *lines, self.buffer = self.buffer.split(b"\n")
+        return [self._parse(line) for line in lines if line.strip()]
+
+    @staticmethod
+    def _parse(line: bytes) -> dict:
+        try:
+            message = json.loads(line)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return {"event": "corrupt"}
+        return message if isinstance(message, dict) else {"event": "corrupt"}
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL the sandbox's process group, then reap the leader.
+
+    Only while the leader is unreaped: its pid then still names the group, so the signal cannot
+    reach an unrelated group that reused the number.
+    """
+    if proc.returncode is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass  # the group is already empty
+    proc.wait()
+
+
+def _exit_description(returncode: int | None) -> str:
+    if returncode is None:
+        return "the program stopped reporting"
+    if returncode < 0:
+        return f"the program crashed (killed by {signal.Signals(-returncode).name})"
+    if returncode > 128 and returncode - 128 in signal.valid_signals():
+        return f"the program crashed (killed by {signal.Signals(returncode - 128).name})"
+    return f"the program ended the test run abruptly (exit status {returncode})"
+
+
+def run_program(program: str, suite: TestSuite, *, limits: SandboxLimits = SandboxLimits()) -> list[Execution]:
+    """Run `program` on every test of `suite` in a sandbox; one Execution per test, in order."""
+    mode = _isolation(limits)
+    per_test = min(limits.per_test_s, suite.time_limit) if suite.time_limit else limits.per_test_s
+    n = len(suite.inputs)
+    base = Path(tempfile.mkdtemp(prefix="sdpo-sandbox-"))
+    proc: subprocess.Popen | None = None
+    read_fd, write_fd = os.pipe()
+    try:
+        os.chmod(base, 0o711)
+        uid = random.randrange(*_UID_RANGE) if os.geteuid() == 0 else None
+        python = os.path.realpath(sys._base_executable)
+        if mode == "process" and uid is not None and not _usable_by_others(python):
+            _warn_once(f"code sandbox: {python} cannot be run by other users; the process sandbox keeps this uid")
+            uid = None
+        job = {
+            "code": program,
+            "testtype": suite.testtype,
+            "inputs": list(suite.inputs),
+            "fn_name": suite.fn_name,
+            "setup": suite.setup,
+            "output_limit": limits.file_mb * _MIB,
+            "rlimits": _rlimits(limits, set_nproc=uid is not None),
+        }
+        guard = "guard" if limits.python_guard else "noguard"
+        if mode == "namespace":
+            root = base / "root"
+            root.mkdir(mode=0o755)
+            (root / "job.json").write_text(json.dumps(job), encoding="utf-8")
+            shutil.copyfile(_HARNESS, root / "harness.py")
+            for name in ("job.json", "harness.py"):
+                os.chmod(root / name, 0o444)
+            prefix = os.path.realpath(sys.base_prefix)
+            binds = ["/usr"] + ([] if prefix.startswith("/usr/") else [prefix])
+            symlinks = {name: os.readlink(f"/{name}") for name in ("bin", "lib", "lib64", "sbin") if os.path.islink(f"/{name}")}
+            for name in ("lib", "lib64"):  # not merged into /usr on this host: bind them as well
+                if os.path.isdir(f"/{name}") and name not in symlinks:
+                    binds.append(f"/{name}")
+            config = {
+                "root": str(root),
+                "uid": uid,
+                "binds": binds,
+                "symlinks": symlinks,
+                "workdir": _WORKDIR_IN_ROOT,
+                "tmpfs_bytes": limits.tmpfs_mb * _MIB,
+                "result_fd": write_fd,
+                "python": python,
+                "harness": "/harness.py",
+                "job": "/job.json",
+                "guard": guard,
+                "env": _scrubbed_env(_WORKDIR_IN_ROOT),
+            }
+            unshare = shutil.which("unshare")
+            assert unshare is not None
+            cmd = [unshare, "--net", "--mount", "--pid", "--ipc", "--uts", "--fork", "--kill-child", "--",
+                   python, "-I", "-S", "-B", str(root / "harness.py"), "setup", json.dumps(config)]
+            popen_kwargs: dict = dict(cwd=str(base), env=_scrubbed_env(str(base)))
+        else:
+            work = base / "work"
+            work.mkdir(mode=0o700)
+            (base / "job.json").write_text(json.dumps(job), encoding="utf-8")
+            shutil.copyfile(_HARNESS, base / "harness.py")
+            for name in ("job.json", "harness.py"):
+                os.chmod(base / name, 0o444)
+            if uid is not None:
+                os.chown(work, uid, uid)
+            cmd = [python, "-I", "-S", "-B", str(base / "harness.py"), "run", str(base / "job.json"), str(write_fd), guard]
+            popen_kwargs = dict(cwd=str(work), env=_scrubbed_env(str(work)))
+            if uid is not None:
+                popen_kwargs.update(user=uid, group=uid, extra_groups=[])
+        with open(base / "stdout", "wb") as out, open(base / "stderr", "wb") as err:
+            proc = subprocess.Popen(
+                cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=err, pass_fds=(write_fd,), start_new_session=True,
+                **popen_kwargs,
+            )
+        os.close(write_fd)
+        write_fd = -1
+        executions = _collect(proc, _Reader(read_fd), n=n, per_test=per_test, total=limits.total_s)
+        if executions is None:
+            stderr = (base / "stderr").read_text(errors="replace")[-2000:]
+            raise RuntimeError(f"the code sandbox ({mode}) failed before running any test "
+                               f"({_exit_description(proc.returncode)}): {stderr}")
+        return executions
+    finally:
+        if proc is not None:
+            _kill_group(proc)
+        os.close(read_fd)
+        if write_fd >= 0:
+            os.close(write_fd)
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def _collect(
+    proc: subprocess.Popen, reader: _Reader, *, n: int, per_test: float, total: float
+) -> list[Execution] | None:
+    """Read the harness's reports, enforcing the time limits; kill the run on overrun.
+
+    Returns None when the sandbox died before starting the first test (a broken sandbox, not a
+    verdict on the program).
+    """
+    started = time.monotonic()
+    total_deadline = started + total
+    results: dict[int, Execution] = {}
+    current: int | None = None
+    any_started = False
+    test_deadline = started + min(total, _STARTUP_GRACE_S + per_test)
+    stop: Execution | None = None
+    while len(results) < n and stop is None and not reader.eof:
+        deadline = min(total_deadline, test_deadline)
+        messages = reader.read(deadline - time.monotonic())
+        for message in messages:
+            event, index = message.get("event"), message.get("index")
+            if event == "start" and current is None and index == len(results):
+                current, any_started = index, True
+                test_deadline = time.monotonic() + per_test
+            elif event == "result" and current is not None and index == current and _well_formed(message):
+                results[current] = Execution(
+                    index=current,
+                    status=message["status"],
+                    output=message["output"],
+                    error=message["error"],
+                    stderr=message["stderr"],
+                )
+                current = None
+                test_deadline = time.monotonic() + per_test  # the next start must follow promptly
+            else:
+                stop = Execution(index=len(results), status="error", error="the program corrupted the sandbox's report channel")
+                break
+        if stop is None and not messages and not reader.eof and time.monotonic() >= deadline:
+            limit = "total time limit" if deadline == total_deadline else "time limit"
+            stop = Execution(index=len(results), status="timeout", error=f"{limit} exceeded")
+    if len(results) < n and stop is None:  # the pipe closed early: the process died
+        _kill_group(proc)
+        if not any_started:
+            return None
+        stop = Execution(index=len(results), status="error", error=_exit_description(proc.returncode))
+    if stop is not None:
+        _kill_group(proc)
+        results[stop.index] = stop
+        for index in range(stop.index + 1, n):
+            results[index] = Execution(index=index, status="not_run", error="not run: an earlier test stopped the run")
+    return [results[i] for i in range(n)]
+
+
+def _well_formed(message: dict) -> bool:
+    return message.get("status") in EXEC_STATUSES and all(
+        isinstance(message.get(key), str) for key in ("output", "error", "stderr")
+    )
+
+
+def runner(**limits: object) -> TestRunner:
+    """A `run_tests` callable for `sdpo_core.verifiers.code.verify` with these SandboxLimits fields."""
+    return partial(_run_with, limits=SandboxLimits(**limits))  # type: ignore[arg-type]
+
+
+def _run_with(program: str, suite: TestSuite, *, limits: SandboxLimits) -> list[Execution]:
+    return run_program(program, suite, limits=limits)
+
+
+def verify_code(response_text: str, label: str, *, truncated: bool, partial_credit: bool = False, **limits: object) -> Verdict:
+    """The code verifier wired to this sandbox: `verify(response_text, label, *, truncated, **kwargs)`."""
+    return code_verifier.verify(
+        response_text, label, truncated=truncated, run_tests=runner(**limits), partial_credit=partial_credit
+    )

@@ -1,0 +1,182 @@
+"""The whole pipeline on a minuscule config: flows, shards, Megatron training, commits, MLflow, restart."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+
+TINY = {
+    "seed": 3,
+    "iterations": 2,
+    "model": {
+        "bootstrap": {
+            "hidden_size": 32,
+            "num_layers": 2,
+            "num_heads": 4,
+            "num_kv_heads": 2,
+            "intermediate_size": 64,
+            "max_positions": 128,
+            "warmup_steps": 4,
+            "warmup_batch_size": 8,
+        }
+    },
+    "data": {"max_operand": 20, "prompts_per_iteration": 4, "eval_prompts": 6},
+    "rollout": {"group_size": 4, "max_new_tokens": 4, "top_k": 8},
+    "train": {"steps_per_iteration": 2, "micro_batch_size": 3},
+    "optimizer": {"lr": 1.0e-3},
+    "eval": {"every": 1, "sampled_n": 2},
+}
+
+
+def write_config(tmp_path: Path, name: str, root: str | None = None, **sections) -> Path:
+    tree = json.loads(json.dumps(TINY))
+    tree["name"] = name
+    tree["storage"] = {"root": root or str(tmp_path / "runs"), "cache_dir": str(tmp_path / "cache")}
+    tree["tracking"] = {"uri": f"sqlite:///{tmp_path / 'mlflow.db'}"}
+    for section, values in sections.items():
+        if isinstance(values, dict):
+            tree.setdefault(section, {}).update(values)
+        else:
+            tree[section] = values
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(tree))
+    return path
+
+
+def test_two_iterations_commit_shards_checkpoints_and_metrics(tmp_path, prefect_server):
+    from mlflow.tracking import MlflowClient
+
+    from flows.run import sdpo_run
+    from storage.checkpoints import lineage
+    from storage.layout import RunLayout
+    from storage.manifest import read_iteration_manifest, read_latest
+    from storage.shards import read_stage_columns
+
+    config = write_config(tmp_path, "tiny")
+    summary = sdpo_run(str(config), [])
+
+    layout = RunLayout(str(tmp_path / "runs"), "tiny")
+    assert read_latest(layout) == 2
+    manifest = read_iteration_manifest(layout, 2)
+    assert set(manifest.data["stages"]) == {"rollout", "teacher", "train"}
+    assert manifest.data["previous"] is not None
+
+    cols = read_stage_columns(layout, 2, "teacher")
+    n = 4 * 4
+    assert len(cols["sample_id"]) == n
+    for i in range(n):
+        t = len(cols["response_ids"][i])
+        assert cols["topk_ids"][i].shape == (t, 8)
+        assert cols["teacher_topk_logprobs"][i].shape == (t, 8)
+        assert len(cols["teacher_sampled_logprobs"][i]) == t
+        # the teacher sequence ends with the student's exact response ids
+        assert cols["teacher_prompt_text"][i].endswith("<|im_start|>assistant\n")
+    assert np.isfinite(np.concatenate([np.asarray(x).ravel() for x in cols["teacher_topk_logprobs"]])).all()
+
+    records = lineage(layout)
+    assert [r.iteration for r in records if r.kind == "policy"] == [0, 1, 2]
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("sdpo").experiment_id])
+    assert len(runs) == 1
+    history = client.get_metric_history(runs[0].info.run_id, "rollout/reward_mean")
+    assert [m.step for m in history] == [1, 2]
+    assert "eval/greedy_accuracy" in runs[0].data.metrics
+    assert runs[0].data.params["loss.alpha"] == "0.5"
+    assert set(summary["stage_seconds"]) == {"rollout", "teacher", "train"}
+    assert 0.0 <= summary["after"]["eval/greedy_accuracy"] <= 1.0
+
+
+def test_rerunning_a_finished_run_changes_nothing_and_a_changed_config_is_refused(tmp_path, prefect_server):
+    from flows.run import sdpo_run
+    from storage.errors import ConfigMismatchError
+    from storage.layout import RunLayout
+    from storage.manifest import read_iteration_manifest
+
+    config = write_config(tmp_path, "again")
+    sdpo_run(str(config), ["iterations=1"])
+    layout = RunLayout(str(tmp_path / "runs"), "again")
+    digest = read_iteration_manifest(layout, 1).sha256
+    with pytest.raises(ConfigMismatchError, match="loss.alpha"):
+        sdpo_run(str(config), ["iterations=1", "loss.alpha=0.25"])
+    sdpo_run(str(config), ["iterations=1"])
+    assert read_iteration_manifest(layout, 1).sha256 == digest
+
+
+def test_grpo_baseline_runs_on_the_same_machinery(tmp_path, prefect_server):
+    from flows.run import sdpo_run
+
+    config = write_config(tmp_path, "grpo", loss={"type": "grpo"})
+    summary = sdpo_run(str(config), ["iterations=1"])
+    assert "grpo/clip_fraction" in summary["iterations"]["1"]
+
+
+def test_sigkill_after_rollout_then_restart_reuses_the_rollout_shards(tmp_path, prefect_server):
+    from storage.layout import RunLayout
+    from storage.manifest import read_iteration_manifest, read_latest, read_stage_manifest, stage_done
+
+    config = write_config(tmp_path, "killed")
+    layout = RunLayout(str(tmp_path / "runs"), "killed")
+    env = dict(os.environ, PREFECT_API_URL=prefect_server, PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "flows.cli", "run", str(config)]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 240
+    try:
+        while not stage_done(layout, 2, "rollout"):
+            assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
+            assert time.monotonic() < deadline, "iteration 2 rollout never committed"
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait(timeout=60)
+    assert read_latest(layout) == 1
+    rollout_before = read_stage_manifest(layout, 2, "rollout")
+    mtimes = {p: p.stat().st_mtime_ns for p in (tmp_path / "runs" / "killed").rglob("rollout/*")}
+
+    # the killed process left its lock behind: a restart must take it over explicitly
+    blocked = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert blocked.returncode != 0 and "lock" in (blocked.stdout + blocked.stderr).lower()
+
+    done = subprocess.run([*cmd, "--force-unlock"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert read_latest(layout) == 2
+    assert read_stage_manifest(layout, 2, "rollout").sha256 == rollout_before.sha256
+    assert {p: p.stat().st_mtime_ns for p in (tmp_path / "runs" / "killed").rglob("rollout/*")} == mtimes
+    it2 = read_iteration_manifest(layout, 2)
+    assert it2.data["stages"]["rollout"]["sha256"] == rollout_before.sha256
+    assert it2.data["previous"]["sha256"] == read_iteration_manifest(layout, 1).sha256
+
+
+def test_a_run_on_s3_keeps_everything_in_the_bucket_and_credentials_out_of_it(
+    tmp_path, prefect_server, s3_server, monkeypatch
+):
+    from flows.run import sdpo_run
+    from storage.checkpoints import lineage
+    from storage.layout import RunLayout, read_run
+    from storage.manifest import read_latest
+
+    full = s3_server.storage_options()
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", full["key"])
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", full["secret"])
+    monkeypatch.setenv("AWS_DEFAULT_REGION", full["client_kwargs"]["region_name"])
+    bucket = s3_server.make_bucket()
+    root = f"s3://{bucket}/runs"
+    config = write_config(tmp_path, "ons3", root=root, storage={"storage_options": {"endpoint_url": s3_server.endpoint_url}})
+    sdpo_run(str(config), ["iterations=1"])
+
+    layout = RunLayout(root, "ons3", storage_options=s3_server.storage_options())
+    assert read_latest(layout) == 1
+    assert [r.iteration for r in lineage(layout) if r.kind == "policy"] == [0, 1]
+    assert full["secret"] not in json.dumps(read_run(layout))
+    assert not (tmp_path / "runs").exists()
