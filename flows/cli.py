@@ -25,16 +25,25 @@ OverridesArg = Annotated[
 
 
 def _setup_logging(verbose: bool) -> None:
+    """One line per iteration by default; every stage's log lines with --verbose."""
+    import warnings
+
     from rich.logging import RichHandler
 
     logging.basicConfig(
-        level=logging.DEBUG if verbose else logging.INFO,
+        level=logging.INFO if verbose else logging.WARNING,
         format="%(message)s",
         handlers=[RichHandler(show_path=False, rich_tracebacks=False)],
         force=True,
     )
-    for noisy in ("httpx", "alembic", "mlflow", "urllib3", "botocore", "werkzeug", "prefect", "filelock"):
+    logging.getLogger("flows").setLevel(logging.INFO)
+    for noisy in ("httpx", "alembic", "mlflow", "urllib3", "botocore", "werkzeug", "filelock"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    if not verbose:
+        os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+        # megatron-core warns at import about optional GPU libraries it does not need here
+        warnings.filterwarnings("ignore", module=r"megatron\..*")
+        warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*")
 
 
 @contextlib.contextmanager

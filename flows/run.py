@@ -17,6 +17,20 @@ from tasks import stages
 logger = logging.getLogger(__name__)
 
 
+def describe_iteration(n: int, total: int, metrics: dict[str, float]) -> str:
+    """One status line: reward, loss, teacher coverage, eval accuracy when measured, stage times."""
+    parts = [f"iteration {n}/{total}", f"reward {metrics.get('rollout/reward_mean', float('nan')):.3f}"]
+    if "loss/total" in metrics:
+        parts.append(f"loss {metrics['loss/total']:.4f}")
+    if "sdpo/sample_mask_fraction" in metrics:
+        parts.append(f"teacher signal on {metrics['sdpo/sample_mask_fraction']:.0%} of samples")
+    if "eval/greedy_accuracy" in metrics:
+        parts.append(f"eval greedy acc {metrics['eval/greedy_accuracy']:.3f}")
+    seconds = sum(metrics.get(f"{s}/stage_seconds", 0.0) for s in ("rollout", "teacher", "train"))
+    parts.append(f"{seconds:.1f}s")
+    return " | ".join(parts)
+
+
 def _eval_due(n: int, *, every: int, last: int) -> bool:
     return n == last or (every > 0 and n % every == 0)
 
@@ -62,6 +76,7 @@ def sdpo_run(
                 metrics.update(stages.evaluate(root, name, n))
             tracker.log_metrics(metrics, step=n)
             summary.add_iteration(n, metrics)
+            logger.info(describe_iteration(n, cfg.iterations, metrics))
             lock.renew()
         summary.after = stages.evaluate(root, name, cfg.iterations)
         summary.seconds = time.perf_counter() - started

@@ -11,6 +11,7 @@ import hashlib
 import json
 import logging
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,11 @@ logger = logging.getLogger(__name__)
 
 def bootstrap_cache_dir(run: Run) -> Path:
     cfg = run.cfg
-    spec = {"bootstrap": cfg.model.bootstrap.model_dump(mode="json"), "data": cfg.data.model_dump(mode="json"), "seed": cfg.seed}
+    spec = {
+        "bootstrap": cfg.model.bootstrap.model_dump(mode="json"),
+        "data": cfg.data.model_dump(mode="json", include={"source", "path", "max_operand", "eval_fraction", "eval_prompts"}),
+        "seed": cfg.seed,
+    }
     digest = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
     return Path(cfg.storage.cache_dir) / "bootstrap" / digest
 
@@ -51,8 +56,8 @@ def materialise_base(run: Run, *, progress: bool = True) -> tuple[Path, dict[str
         logger.info("reusing the bootstrapped base model in %s", out)
         return out, json.loads(info_path.read_text())
     train_rows, eval_rows = load_splits(cfg.data, seed=cfg.seed)
-    tmp = out.with_name(out.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".partial-", dir=out.parent))
     b = cfg.model.bootstrap
     info = bootstrap_checkpoint(
         str(tmp),
@@ -74,8 +79,11 @@ def materialise_base(run: Run, *, progress: bool = True) -> tuple[Path, dict[str
     )
     info = {"source": "bootstrap", **{k: v for k, v in info.items() if isinstance(v, (int, float, str))}}
     (tmp / "bootstrap.json").write_text(json.dumps(info, indent=2))
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
+    try:
+        tmp.rename(out)  # atomic; a concurrent bootstrap of the same spec may have won the race
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        info = json.loads(info_path.read_text())
     return out, info
 
 

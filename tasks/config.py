@@ -106,11 +106,24 @@ class VerifierConfig(_Section):
 class SGLangConfig(_Section):
     """Servers speaking SGLang's native HTTP API (rollout.engine = sglang)."""
 
-    urls: list[str] = Field(default_factory=list)
+    urls: list[str] = Field(
+        default_factory=list, description="every worker's URL (health, weight and version checks go to each)"
+    )
+    router_url: str | None = Field(None, description="send generation through an sglang-router instead")
     request_timeout_s: float = Field(120.0, gt=0)
     health_timeout_s: float = Field(300.0, gt=0)
+    weight_update_timeout_s: float = Field(600.0, gt=0)
     max_concurrency: int = Field(64, ge=1)
     retries: int = Field(3, ge=0)
+    backoff_s: float = Field(0.5, gt=0, description="first retry delay; doubles per attempt")
+    max_backoff_s: float = Field(10.0, gt=0)
+    check_logprobs: bool = Field(True, description="verify once that servers return raw (untempered) logprobs")
+
+    @model_validator(mode="after")
+    def _backoff_order(self) -> SGLangConfig:
+        if self.max_backoff_s < self.backoff_s:
+            raise ValueError(f"max_backoff_s={self.max_backoff_s} is below backoff_s={self.backoff_s}")
+        return self
 
 
 class RolloutConfig(_Section):
@@ -257,6 +270,11 @@ class RunConfig(_Section):
                 f"rollout.group_size={self.rollout.group_size} with loss.type={self.loss.type!r} and "
                 f"teacher.feedback={self.teacher.feedback!r}: SDPO takes demonstrations from peers in the "
                 "group; set rollout.group_size >= 2 (the paper uses 8)"
+            )
+        if self.rollout.engine == "sglang" and self.loss.divergence == "full":
+            raise ValueError(
+                "loss.divergence='full' records the whole vocabulary per token, which SGLang would send "
+                "as JSON; use divergence=topk_tail with rollout.engine=sglang"
             )
         if self.loss.type in ("grpo", "blend") and self.rollout.group_size < 2:
             raise ValueError(

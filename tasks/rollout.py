@@ -33,7 +33,16 @@ def get_engine(rollout: RolloutConfig, policy_dir: Path, *, cache_key: str) -> A
         else:
             from tasks.engines.sglang import SGLangEngine
 
-            engine = SGLangEngine(rollout.sglang, str(policy_dir))
+            cfg = rollout.sglang
+            engine = SGLangEngine(
+                cfg,
+                str(policy_dir),
+                router_url=cfg.router_url,
+                backoff_s=cfg.backoff_s,
+                max_backoff_s=cfg.max_backoff_s,
+                weight_update_timeout_s=cfg.weight_update_timeout_s,
+                check_logprobs=cfg.check_logprobs,
+            )
         _ENGINES[key] = engine
     else:
         engine.load_weights(str(policy_dir))

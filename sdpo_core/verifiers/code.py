@@ -76,6 +76,8 @@ _REL_TOL = 1e-6
 class TestSuite:
     """The tests of one problem, parsed from its label."""
 
+    __test__ = False  # not a pytest test class, despite the name
+
     testtype: TestType
     inputs: tuple[str, ...]
     outputs: tuple[str, ...] = ()
@@ -126,6 +128,8 @@ class Execution:
 @dataclass(frozen=True, kw_only=True)
 class TestResult:
     """One judged test."""
+
+    __test__ = False  # not a pytest test class, despite the name
 
     index: int
     outcome: Outcome

@@ -113,7 +113,10 @@ def _replace_frac(text: str) -> str:
 def normalise(answer: str) -> str:
     """Canonical text of an answer: LaTeX noise, separators and units stripped."""
     s = answer.strip()
-    if "####" in s:
+    boxed = _last_boxed(s)
+    if boxed is not None:
+        s = boxed
+    elif "####" in s:
         s = s.rsplit("####", 1)[1]
     s = s.strip().strip("$").strip()
     s = re.sub(r"^\\\(|\\\)$|^\\\[|\\\]$", "", s).strip()
@@ -233,8 +236,10 @@ def _sympy_equal(a: str, b: str) -> bool:
     for expr in (left, right):
         if not isinstance(expr, sympy.Basic) or sympy.count_ops(expr) > 60:
             return False
-        for power in expr.atoms(sympy.Pow):
-            if power.exp.is_Number and abs(power.exp) > _MAX_EXPONENT:
+        for power in expr.atoms(sympy.Pow):  # 9^9^9^9 would not finish: small flat exponents only
+            exponent = power.exp
+            nested = [p for p in exponent.atoms(sympy.Pow) if p.exp != -1]  # x**-1 is just a division
+            if nested or any(abs(n) > _MAX_EXPONENT for n in exponent.atoms(sympy.Number)):
                 return False
     try:
         return bool(sympy.simplify(left - right) == 0)

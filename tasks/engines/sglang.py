@@ -223,6 +223,8 @@ class SGLangEngine:
         return list(self._urls)
 
     def load_weights(self, checkpoint_dir: str) -> None:
+        """Load an HF checkpoint into every server (waiting for restarted servers to be healthy)."""
+        self._run(self._wait_healthy(self._urls))
         self._run(self._sync_weights(checkpoint_dir, force=True))
 
     def generate(
@@ -289,7 +291,12 @@ class SGLangEngine:
         if threading.current_thread() is self._thread:
             coro.close()
             raise RuntimeError("SGLangEngine methods cannot be called from the engine's own event loop")
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return future.result()
+        except BaseException:  # e.g. KeyboardInterrupt while waiting: stop the requests in flight too
+            future.cancel()
+            raise
 
     async def _make_client(self) -> httpx.AsyncClient:
         cfg = self._config
@@ -448,7 +455,8 @@ class SGLangEngine:
             return []
         await self._check_versions(self._weight_version)
         if self._check_logprobs and temperature > 0:
-            await asyncio.gather(*(self._probe_logprobs(url, prompts[0]) for url in self._urls if url not in self._probed))
+            unprobed = [url for url in self._urls if url not in self._probed]
+            await asyncio.gather(*(self._probe_logprobs(url, prompts[0]) for url in unprobed))
 
         bar = tqdm(total=len(prompts), desc="rollout", unit="prompt", disable=not progress)
 

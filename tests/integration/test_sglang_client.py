@@ -201,6 +201,17 @@ def test_requests_are_spread_over_several_servers(make_engine, reference, prompt
         assert_same_rows(got, sample(reference, prompts, stop_token_ids=[eos], temperature=1.0, top_p=1.0))
 
 
+def test_a_router_url_takes_the_generation_traffic(make_engine, reference, prompts, server, ckpt_a, eos):
+    path, _ = ckpt_a
+    greedy = dict(n=2, temperature=0.0, stop_token_ids=[eos])
+    with start_server(path, weight_version=checkpoint_weight_version(path)) as router:
+        engine = make_engine([server.url], router_url=router.url)
+        got = sample(engine, prompts, **greedy)
+        assert router.faults.received["/generate"] == len(prompts) and generate_calls(server) == 0
+        assert server.faults.received["/get_model_info"] > 0  # versions are checked on the workers
+        assert_same_rows(got, sample(reference, prompts, **greedy))
+
+
 def test_generation_works_from_a_running_event_loop_and_from_threads(make_engine, reference, prompts, eos):
     engine = make_engine()
     expected = sample(reference, prompts, stop_token_ids=[eos])
@@ -328,6 +339,7 @@ def test_load_weights_switches_the_servers_weights(ckpt_a, ckpt_b, make_engine, 
         assert info["weight_version"] == engine.weight_version == checkpoint_weight_version(path_a)
         before = sample(engine, prompts, **greedy)
 
+        fresh.faults.add(Fault("unhealthy", times=2))  # e.g. a restarted server: waited for, then loaded
         engine.load_weights(str(ckpt_b))
         info = httpx.get(f"{fresh.url}/get_model_info").json()
         assert engine.weight_version == info["weight_version"] == checkpoint_weight_version(ckpt_b)

@@ -336,7 +336,12 @@ class _Batcher:
     async def run(self) -> None:
         while True:
             await self.wakeup.wait()
-            await asyncio.sleep(0.002)  # let requests arriving together share a batch
+            # let requests arriving together share a batch: wait until 2 ms pass without a new one
+            waited, seen = 0.0, -1
+            while len(self.pending) != seen and len(self.pending) < self.max_batch_size and waited < 0.02:
+                seen = len(self.pending)
+                await asyncio.sleep(0.002)
+                waited += 0.002
             taken, self.pending = self.pending[: self.max_batch_size], self.pending[self.max_batch_size :]
             if not self.pending:
                 self.wakeup.clear()
@@ -567,7 +572,9 @@ def _parse_generate(body: Any, backend: _Backend, *, tempered: bool) -> tuple[li
             )
         if not -1 <= int(s) < len(ids):
             raise ValueError(f"logprob_start_len={s} must be in [-1, {len(ids)})")
-        stop = frozenset() if p.get("ignore_eos") else frozenset(int(t) for t in p.get("stop_token_ids") or ()) | backend.eos_ids
+        stop = frozenset(int(t) for t in p.get("stop_token_ids") or ()) | backend.eos_ids
+        if p.get("ignore_eos"):  # SGLang's ignore_eos turns off stop_token_ids too
+            stop = frozenset()
         seed = p.get("sampling_seed")
         job = _Job(list(ids), temperature, top_p, max_new_tokens, stop, int(k), None if seed is None else int(seed),
                    tempered)
