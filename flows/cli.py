@@ -40,6 +40,9 @@ def _setup_logging(verbose: bool) -> None:
     for noisy in ("httpx", "alembic", "mlflow", "urllib3", "botocore", "werkzeug", "filelock"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     if not verbose:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # per-checkpoint "Loading weights" bars, many per iteration
         os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
         # megatron-core warns at import about optional GPU libraries it does not need here
         warnings.filterwarnings("ignore", module=r"megatron\..*")
@@ -47,18 +50,24 @@ def _setup_logging(verbose: bool) -> None:
 
 
 @contextlib.contextmanager
-def prefect_local_mode():
+def prefect_local_mode(run_name: str):
     """Without PREFECT_API_URL, run on Prefect's ephemeral server and skip flow heartbeats.
 
-    Heartbeats exist to spot crashed runs on a real server; locally they only add a second of
-    join time to every flow run.
+    Each run gets its own Prefect home (.sdpo/prefect/<run>) unless PREFECT_HOME is set: two
+    ephemeral servers writing one SQLite database lock each other out, and comparing an SDPO run
+    with its baseline means running both at once. Heartbeats exist to spot crashed runs on a real
+    server; locally they only add a second of join time to every flow run.
     """
-    from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
-
     if os.environ.get("PREFECT_API_URL"):
         yield
         return
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    if "PREFECT_HOME" not in os.environ:
+        home = Path(".sdpo", "prefect", run_name).resolve()
+        home.mkdir(parents=True, exist_ok=True)
+        os.environ["PREFECT_HOME"] = str(home)
+    from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
+
     with temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
         yield
 
@@ -91,7 +100,7 @@ def run(
     from flows.run import sdpo_run
     from tasks.summary import render_table
 
-    with prefect_local_mode():
+    with prefect_local_mode(cfg.name):
         summary = sdpo_run(str(config), list(overrides or []), allow_config_change, force_unlock)
     console = Console()
     console.print(render_table(summary))
@@ -157,13 +166,35 @@ def evaluate(
 
     _setup_logging(False)
     try:
-        load_config(config, overrides or [])
+        cfg = load_config(config, overrides or [])
     except ConfigError as err:
         _fail(str(err))
-    with prefect_local_mode():
+    with prefect_local_mode(cfg.name):
         metrics = sdpo_eval(str(config), list(overrides or []), iteration)
     for key, value in sorted(metrics.items()):
         typer.echo(f"{key}: {value:.4f}")
+
+
+@app.command("prepare-data")
+def prepare_data(
+    dataset: Annotated[str, typer.Option(help="sciknoweval | tooluse | toolalpaca | livecodebench | humaneval | mbpp | gsm8k | ...")],
+    input: Annotated[str, typer.Option("--input", help="input file or folder (path or URL)")],  # noqa: A002
+    output: Annotated[str, typer.Option(help="output data set (path or URL; .jsonl or .parquet)")],
+    eval_output: Annotated[Optional[str], typer.Option(help="also write a held-out / full-test split here")] = None,
+    skip_invalid: Annotated[bool, typer.Option(help="skip malformed rows (counted) instead of failing")] = False,
+    option: Annotated[Optional[list[str]], typer.Option(help="converter option key=value (repeatable)")] = None,
+) -> None:
+    """Convert a data set into the run's prompt schema (prompt messages, label, data source, metadata)."""
+    from tasks.prepare_data import InvalidRowError, cli_prepare
+
+    try:
+        stats = cli_prepare(
+            dataset, input, output, skip_invalid=skip_invalid, eval_output=eval_output, options=list(option or [])
+        )
+    except InvalidRowError as err:
+        _fail(str(err))
+    for key, value in stats.items():
+        typer.echo(f"{key}: {value}")
 
 
 def main() -> None:

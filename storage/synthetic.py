@@ -98,6 +98,7 @@ def synthetic_columns(
         "finish_reason": np.where(lengths == hi, "length", "stop").tolist(),
         "reward": (rng.random(n_rows) < 0.5).astype(np.float32),
         "feedback": [None if r % 3 else "wrong sign in step 2" for r in range(n_rows)],
+        "format_error": np.zeros(n_rows, dtype=bool),
         "label": [str(g % 10) for g in group_ids],
         "data_source": ["synthetic_math"] * n_rows,
         "teacher_prompt": [None] * n_rows,

@@ -24,7 +24,9 @@ def bootstrap_cache_dir(run: Run) -> Path:
     cfg = run.cfg
     spec = {
         "bootstrap": cfg.model.bootstrap.model_dump(mode="json"),
-        "data": cfg.data.model_dump(mode="json", include={"source", "path", "max_operand", "eval_fraction", "eval_prompts"}),
+        "data": cfg.data.model_dump(
+            mode="json", include={"source", "path", "max_operand", "answer_width", "eval_fraction", "eval_prompts"}
+        ),
         "seed": cfg.seed,
     }
     digest = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
@@ -74,6 +76,7 @@ def materialise_base(run: Run, *, progress: bool = True) -> tuple[Path, dict[str
         steps=b.warmup_steps,
         batch_size=b.warmup_batch_size,
         lr=b.warmup_lr,
+        mix=dict(b.warmup_mix),
         seed=cfg.seed,
         progress=progress,
     )

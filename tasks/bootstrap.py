@@ -392,6 +392,7 @@ def bootstrap_checkpoint(
     intermediate: int,
     max_positions: int,
     num_eval: int,
+    mix: dict[str, float] | None = None,
     num_threads: int | None = None,
     progress: bool = True,
 ) -> dict[str, float]:
@@ -422,6 +423,7 @@ def bootstrap_checkpoint(
         batch_size=batch_size,
         lr=lr,
         seed=seed,
+        mix=mix,
         num_threads=num_threads,
         progress=progress,
     )

@@ -51,6 +51,10 @@ class BootstrapConfig(_Section):
     warmup_steps: int = Field(400, ge=0, description="supervised warm-up steps on the task")
     warmup_batch_size: int = Field(64, ge=1)
     warmup_lr: float = Field(3e-3, gt=0)
+    warmup_mix: dict[Literal["plain", "solution", "feedback"], float] = Field(
+        default_factory=lambda: {"plain": 0.15, "solution": 0.35, "feedback": 0.5},
+        description="share of warm-up examples with the plain prompt, a peer's solution, or feedback in context",
+    )
 
     @model_validator(mode="after")
     def _heads_divide(self) -> BootstrapConfig:
@@ -85,10 +89,16 @@ class DataConfig(_Section):
 
     source: Literal["arithmetic", "prepared"] = "arithmetic"
     path: str | None = Field(None, description="prepared data set URL (source=prepared)")
+    eval_path: str | None = Field(
+        None, description="prepared held-out set; unset = hold out data.eval_fraction of data.path"
+    )
     prompts_per_iteration: int = Field(32, ge=1)
     eval_prompts: int = Field(200, ge=1)
     # arithmetic generator
     max_operand: int = Field(99, ge=1)
+    answer_width: int = Field(
+        0, ge=0, description="zero-pad arithmetic answers to this many digits (0 = no padding)"
+    )
     eval_fraction: float = Field(0.1, gt=0, lt=1)
 
     @model_validator(mode="after")
@@ -99,7 +109,9 @@ class DataConfig(_Section):
 
 
 class VerifierConfig(_Section):
-    name: Literal["arithmetic"] = "arithmetic"
+    """Which verifier scores answers; `kwargs` go to it (for code: the sandbox limits)."""
+
+    name: Literal["arithmetic", "mcq", "tooluse", "function_call", "math", "code"] = "arithmetic"
     kwargs: dict[str, Any] = Field(default_factory=dict)
 
 
@@ -161,6 +173,11 @@ class TeacherConfig(_Section):
     update: Literal["static", "live", "ema", "trust-region"] = "ema"
     update_rate: float = Field(0.05, description="EMA / trust-region rate tau in (0, 1]")
     batch_tokens: int = Field(8192, ge=16, description="tokens per teacher forward batch")
+    backend: Literal["embedded", "megatron"] = Field(
+        "embedded",
+        description="teacher scorer: the HF model in process, or a Megatron forward-only model "
+        "(packed, SDPA attention, tensor parallel as train.tensor_parallel)",
+    )
 
     @field_validator("update_rate")
     @classmethod
@@ -216,6 +233,29 @@ class TrainConfig(_Section):
     megatron_checkpoint_every: int = Field(
         1, ge=1, description="save the resumable Megatron checkpoint every N iterations (and the last)"
     )
+    attention: Literal["local", "sdpa"] = Field(
+        "local", description="core attention: Megatron's unfused local one, or torch SDPA (cuDNN/flash on GPU)"
+    )
+    packing: bool = Field(
+        False, description="pack samples end to end into micro-batches of pack_tokens (needs attention=sdpa)"
+    )
+    pack_tokens: int = Field(8192, ge=16, description="token budget of one packed micro-batch")
+    loss_chunk_tokens: int = Field(
+        0, ge=0, description="stream the student's logsumexp over this many tokens at a time; 0 = unchunked"
+    )
+    loss_compile: bool = Field(False, description="torch.compile the chunked loss tiles (GPU)")
+    recompute: bool = Field(False, description="recompute every layer's activations in the backward pass")
+
+    @model_validator(mode="after")
+    def _packing_needs_sdpa(self) -> TrainConfig:
+        if self.packing and self.attention != "sdpa":
+            raise ValueError(
+                "train.packing=true needs train.attention='sdpa': Megatron's local attention cannot keep "
+                "packed samples apart"
+            )
+        if self.loss_compile and self.loss_chunk_tokens == 0:
+            raise ValueError("train.loss_compile=true compiles the chunked loss; set train.loss_chunk_tokens > 0")
+        return self
 
 
 class StorageConfig(_Section):

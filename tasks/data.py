@@ -18,10 +18,25 @@ def load_splits(data: DataConfig, *, seed: int) -> tuple[list[Row], list[Row]]:
     if data.source == "arithmetic":
         from tasks.demo_data import make_splits
 
-        return make_splits(max_operand=data.max_operand, eval_fraction=data.eval_fraction, seed=seed)
-    raise NotImplementedError(
-        f"data.source={data.source!r} is not available in this build; use data.source=arithmetic"
-    )
+        return make_splits(
+            max_operand=data.max_operand,
+            eval_fraction=data.eval_fraction,
+            answer_width=data.answer_width,
+            seed=seed,
+        )
+    from tasks.prepare_data import read_prepared
+
+    rows = read_prepared(data.path)
+    for row in rows:
+        row["prompt_messages"] = list(row["prompt_messages"])
+    eval_path = data.eval_path
+    if eval_path:
+        return rows, read_prepared(eval_path)
+    # no separate eval file: hold out a seeded fraction of the rows
+    order = list(range(len(rows)))
+    random.Random(f"split:{seed}").shuffle(order)
+    cut = max(1, round(data.eval_fraction * len(rows)))
+    return [rows[i] for i in order[cut:]], [rows[i] for i in order[:cut]]
 
 
 def iteration_prompts(rows: list[Row], *, iteration: int, per_iteration: int, seed: int) -> list[Row]:

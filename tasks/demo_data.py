@@ -16,18 +16,22 @@ __all__ = ["DATA_SOURCE", "addition_row", "make_splits"]
 DATA_SOURCE = "arithmetic"
 
 
-def addition_row(a: int, b: int) -> dict:
-    """One data-set row for the prompt "a+b=" (no system message: sequences stay short)."""
+def addition_row(a: int, b: int, *, answer_width: int = 0) -> dict:
+    """One data-set row for the prompt "a+b=" (no system message: sequences stay short).
+
+    `answer_width` > 0 zero-pads the label to that many digits: every answer then has the same
+    length, so each answer position means the same digit whatever was sampled before it.
+    """
     return {
         "prompt_id": f"add-{a}-{b}",
         "prompt_messages": [{"role": "user", "content": f"{a}+{b}="}],
-        "label": str(a + b),
+        "label": str(a + b).zfill(answer_width),
         "data_source": DATA_SOURCE,
     }
 
 
 def make_splits(
-    *, seed: int, max_operand: int, eval_fraction: float, min_operand: int = 0
+    *, seed: int, max_operand: int, eval_fraction: float, min_operand: int = 0, answer_width: int = 0
 ) -> tuple[list[dict], list[dict]]:
     """All prompts a+b= with operands in [min_operand, max_operand], split into (train, eval).
 
@@ -38,6 +42,8 @@ def make_splits(
         raise ValueError(f"need 0 <= min_operand <= max_operand, got {min_operand=}, {max_operand=}")
     if not 0.0 < eval_fraction < 1.0:
         raise ValueError(f"eval_fraction must be in (0, 1), got {eval_fraction}")
+    if answer_width and len(str(2 * max_operand)) > answer_width:
+        raise ValueError(f"answer_width={answer_width} cannot hold the largest sum {2 * max_operand}")
     operands = range(min_operand, max_operand + 1)
     pairs = [(a, b) for a in operands for b in operands if a <= b]
     if len(pairs) < 2:
@@ -47,8 +53,8 @@ def make_splits(
     num_eval = min(max(1, round(eval_fraction * len(pairs))), len(pairs) - 1)
     splits = []
     for chunk in (pairs[num_eval:], pairs[:num_eval]):
-        rows = [addition_row(a, b) for a, b in chunk]
-        rows += [addition_row(b, a) for a, b in chunk if a != b]
+        rows = [addition_row(a, b, answer_width=answer_width) for a, b in chunk]
+        rows += [addition_row(b, a, answer_width=answer_width) for a, b in chunk if a != b]
         rng.shuffle(rows)
         splits.append(rows)
     return splits[0], splits[1]

@@ -187,7 +187,9 @@ def read_records(url: str, *, storage_options: Mapping[str, Any] | None = None) 
         for k, row in enumerate(_arrow_rows(data)):
             yield f"{name}: row {k + 1}", row
     else:
-        raise ValueError(f"cannot tell the format of {url!r}: expected .jsonl, .json, .parquet or .arrow (optionally .gz)")
+        raise ValueError(
+            f"cannot tell the format of {url!r}: expected .jsonl, .json, .parquet or .arrow (optionally .gz)"
+        )
 
 
 # -- row helpers ----------------------------------------------------------------------------------
@@ -224,9 +226,10 @@ def _row(*, prompt_id: str, messages: list[dict], label: str, data_source: str, 
     }
 
 
-def _mcq_user_text(question: str, options: Sequence[tuple[str, str]], *, closing: str = "Please reason step by step.") -> str:
+def _mcq_user_text(question: str, options: Sequence[tuple[str, str]]) -> str:
+    """The paper's layout: question, blank line, one "A: text" line per option, the instruction."""
     lines = "\n".join(f"{letter}: {text}" for letter, text in options)
-    return f"{question}\n\n{lines}\n{closing}"
+    return f"{question}\n\n{lines}\nPlease reason step by step."
 
 
 def _mcq_row(*, prompt_id: str, question: str, options: Sequence[tuple[str, str]], answer: str, data_source: str,
@@ -369,10 +372,16 @@ def _lcb_cases(payload: Any, key: str) -> list[dict]:
     return cases
 
 
-def _half_of_tests(suite_inputs: list[str], suite_outputs: list[str], *, seed: int, key: str, fraction: float) -> tuple[list[str], list[str]]:
-    n = len(suite_inputs)
+def _half_of_tests(
+    inputs: list[str], outputs: list[str], *, seed: int, key: str, fraction: float
+) -> tuple[list[str], list[str]]:
+    """A seeded random `fraction` of one problem's tests (at least one), in their original order.
+
+    Seeded per problem (seed, question id), so the subset does not depend on row order or filters.
+    """
+    n = len(inputs)
     keep = sorted(random.Random(f"{seed}:{key}").sample(range(n), max(1, round(n * fraction))))
-    return [suite_inputs[i] for i in keep], [suite_outputs[i] for i in keep]
+    return [inputs[i] for i in keep], [outputs[i] for i in keep]
 
 
 def _livecodebench(record: Any, index: int, options: dict) -> Row:
@@ -473,8 +482,9 @@ def _gsm8k(record: Any, index: int, options: dict) -> Row:
     if not answer:
         raise _Bad("the final answer is empty")
     user = f"{question}\n\n{MATH_INSTRUCTION}"
+    doc_id = record.get("doc_id", index) if isinstance(record, dict) else index
     return _row(prompt_id=_stable_id("gsm8k", question), messages=[{"role": "user", "content": user}], label=answer,
-                data_source="gsm8k", metadata={"doc_id": record.get("doc_id", index) if isinstance(record, dict) else index})
+                data_source="gsm8k", metadata={"doc_id": doc_id})
 
 
 def _letter(label: Any, position_labels: Sequence[str]) -> str:
@@ -569,7 +579,9 @@ DATASETS: dict[str, _Dataset] = {
     "sciknoweval": _Dataset(_sciknoweval, frozenset({"domain", "domains", "levels", "types"})),
     "tooluse": _Dataset(_tooluse),
     "toolalpaca": _Dataset(_toolalpaca),
-    "livecodebench": _Dataset(_livecodebench, frozenset({"include_public", "test_seed", "train_test_fraction", "time_limit"})),
+    "livecodebench": _Dataset(
+        _livecodebench, frozenset({"include_public", "test_seed", "train_test_fraction", "time_limit"})
+    ),
     "humaneval": _Dataset(_humaneval, frozenset({"time_limit"})),
     "mbpp": _Dataset(_mbpp, frozenset({"time_limit"})),
     "gsm8k": _Dataset(_gsm8k),
@@ -619,7 +631,9 @@ def _encode(rows: list[Row], url: str) -> bytes:
         import pyarrow as pa
         import pyarrow.parquet as pq
 
-        message = pa.struct([pa.field("role", pa.string(), nullable=False), pa.field("content", pa.string(), nullable=False)])
+        message = pa.struct(
+            [pa.field("role", pa.string(), nullable=False), pa.field("content", pa.string(), nullable=False)]
+        )
         schema = pa.schema([
             pa.field("prompt_id", pa.string(), nullable=False),
             pa.field("prompt_messages", pa.list_(pa.field("element", message, nullable=False)), nullable=False),
@@ -725,11 +739,14 @@ def prepare(
     if dataset not in DATASETS:
         raise ValueError(f"unknown dataset {dataset!r}; choose one of {sorted(DATASETS)}")
     _check_options(dataset, options)
-    eval_output, eval_ratio, seed = options.get("eval_output"), float(options.get("eval_ratio", 0.0)), int(options.get("seed", 42))
+    eval_output = options.get("eval_output")
+    eval_ratio, seed = float(options.get("eval_ratio", 0.0)), int(options.get("seed", 42))
     if dataset == "livecodebench" and eval_ratio:
         raise ValueError("livecodebench splits by tests (eval_output gets all tests); eval_ratio does not apply")
     if dataset != "livecodebench" and bool(eval_output) != (eval_ratio > 0):
-        raise ValueError(f"give eval_output and eval_ratio together (got eval_output={eval_output!r}, eval_ratio={eval_ratio})")
+        raise ValueError(
+            f"give eval_output and eval_ratio together (got eval_output={eval_output!r}, eval_ratio={eval_ratio})"
+        )
     if not 0.0 <= eval_ratio < 1.0:
         raise ValueError(f"eval_ratio must be in [0, 1), got {eval_ratio}")
     for url in filter(None, (output, eval_output)):
@@ -755,11 +772,13 @@ def prepare(
 
     if dataset == "livecodebench":
         record_list = list(records)
-        train = _convert_all(dataset, iter(record_list), {**options, "_split": "train"}, skip_invalid=skip_invalid, stats=stats)
+        train = _convert_all(dataset, iter(record_list), {**options, "_split": "train"}, skip_invalid=skip_invalid,
+                             stats=stats)
         outputs = [(output, train)]
         if eval_output:
             test_stats = {**stats, "rows_read": 0, "filtered": 0, "skipped": 0, "skipped_examples": []}
-            test = _convert_all(dataset, iter(record_list), {**options, "_split": "test"}, skip_invalid=skip_invalid, stats=test_stats)
+            test = _convert_all(dataset, iter(record_list), {**options, "_split": "test"}, skip_invalid=skip_invalid,
+                                stats=test_stats)
             outputs.append((eval_output, test))
     else:
         rows = _convert_all(dataset, records, options, skip_invalid=skip_invalid, stats=stats)

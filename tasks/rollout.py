@@ -67,11 +67,14 @@ def effective_top_k(cfg: RunConfig, vocab_size: int) -> int:
 
 
 def verify(cfg: RunConfig, response_text: str, label: str, *, truncated: bool):
-    if cfg.verifier.name == "arithmetic":
-        from sdpo_core.verifiers.arithmetic import verify as arithmetic_verify
+    """The configured verifier's verdict; code runs in the sandbox."""
+    if cfg.verifier.name == "code":
+        from tasks.sandbox import verify_code
 
-        return arithmetic_verify(response_text, label, truncated=truncated, **cfg.verifier.kwargs)
-    raise ValueError(f"verifier.name={cfg.verifier.name!r} is not a known verifier")
+        return verify_code(response_text, label, truncated=truncated, **cfg.verifier.kwargs)
+    from sdpo_core.verifiers import VERIFIERS
+
+    return VERIFIERS[cfg.verifier.name](response_text, label, truncated=truncated, **cfg.verifier.kwargs)
 
 
 def sample_groups(

@@ -9,8 +9,9 @@ in the parent.
 Isolation levels (`SandboxLimits.isolation`):
 - "namespace" (Linux, root, `unshare` present): new network, mount, pid, ipc and uts namespaces.
   The program sees a minimal root: read-only /usr and interpreter prefix, /dev/null, /dev/zero,
-  /dev/urandom and a size-limited tmpfs as working and home directory; the repository, home
-  directories, /tmp and /work do not exist there. It runs as a random unprivileged uid with
+  /dev/urandom and a size-limited tmpfs as working and home directory; the repository, /home,
+  /tmp, /work and /etc do not exist there, and of /root only the interpreter's prefix, if it
+  lives there. It runs as a random unprivileged uid with
   no_new_privs, so it can signal nothing outside, RLIMIT_NPROC bounds its processes and when the
   sandbox's init process dies the kernel kills every process left in the pid namespace.
   The network namespace has only a loopback that is down: every connect fails.
@@ -87,7 +88,9 @@ class SandboxLimits:
         if self.isolation not in ("auto", "namespace", "process"):
             raise ValueError(f"isolation must be auto, namespace or process, got {self.isolation!r}")
         if self.isolation == "process" and not self.python_guard:
-            raise ValueError("isolation='process' relies on the Python guard; python_guard=False is only allowed with namespaces")
+            raise ValueError(
+                "isolation='process' relies on the Python guard; python_guard=False is only allowed with namespaces"
+            )
 
 
 @lru_cache(maxsize=1)
@@ -200,24 +203,26 @@ def _exit_description(returncode: int | None) -> str:
 
 
 def run_program(program: str, suite: TestSuite, *, limits: SandboxLimits = SandboxLimits()) -> list[Execution]:
-    """Run `program` on every test of `suite` in a sandbox; one Execution per test, in order."""
+    """Run `program` on every test of `suite` in a sandbox; one Execution per test, in order.
+
+    Raises RuntimeError only when the sandbox itself is broken (it died before the first test).
+    """
     mode = _isolation(limits)
     per_test = min(limits.per_test_s, suite.time_limit) if suite.time_limit else limits.per_test_s
-    n = len(suite.inputs)
     base = Path(tempfile.mkdtemp(prefix="sdpo-sandbox-"))
     proc: subprocess.Popen | None = None
     read_fd, write_fd = os.pipe()
     try:
         os.chmod(base, 0o711)
-        uid = random.randrange(*_UID_RANGE) if os.geteuid() == 0 else None
         python = os.path.realpath(sys._base_executable)
+        uid = random.randrange(*_UID_RANGE) if os.geteuid() == 0 else None
         if mode == "process" and uid is not None and not _usable_by_others(python):
             _warn_once(f"code sandbox: {python} cannot be run by other users; the process sandbox keeps this uid")
             uid = None
         job = {
             "code": program,
             "testtype": suite.testtype,
-            "inputs": list(suite.inputs),
+            "inputs": list(suite.inputs),  # inputs only: expected outputs never enter the sandbox
             "fn_name": suite.fn_name,
             "setup": suite.setup,
             "output_limit": limits.file_mb * _MIB,
@@ -225,58 +230,22 @@ def run_program(program: str, suite: TestSuite, *, limits: SandboxLimits = Sandb
         }
         guard = "guard" if limits.python_guard else "noguard"
         if mode == "namespace":
-            root = base / "root"
-            root.mkdir(mode=0o755)
-            (root / "job.json").write_text(json.dumps(job), encoding="utf-8")
-            shutil.copyfile(_HARNESS, root / "harness.py")
-            for name in ("job.json", "harness.py"):
-                os.chmod(root / name, 0o444)
-            prefix = os.path.realpath(sys.base_prefix)
-            binds = ["/usr"] + ([] if prefix.startswith("/usr/") else [prefix])
-            symlinks = {name: os.readlink(f"/{name}") for name in ("bin", "lib", "lib64", "sbin") if os.path.islink(f"/{name}")}
-            for name in ("lib", "lib64"):  # not merged into /usr on this host: bind them as well
-                if os.path.isdir(f"/{name}") and name not in symlinks:
-                    binds.append(f"/{name}")
-            config = {
-                "root": str(root),
-                "uid": uid,
-                "binds": binds,
-                "symlinks": symlinks,
-                "workdir": _WORKDIR_IN_ROOT,
-                "tmpfs_bytes": limits.tmpfs_mb * _MIB,
-                "result_fd": write_fd,
-                "python": python,
-                "harness": "/harness.py",
-                "job": "/job.json",
-                "guard": guard,
-                "env": _scrubbed_env(_WORKDIR_IN_ROOT),
-            }
-            unshare = shutil.which("unshare")
-            assert unshare is not None
-            cmd = [unshare, "--net", "--mount", "--pid", "--ipc", "--uts", "--fork", "--kill-child", "--",
-                   python, "-I", "-S", "-B", str(root / "harness.py"), "setup", json.dumps(config)]
-            popen_kwargs: dict = dict(cwd=str(base), env=_scrubbed_env(str(base)))
+            assert uid is not None  # namespace isolation needs root
+            cmd, cwd = _namespace_command(
+                base, job, python=python, uid=uid, result_fd=write_fd, guard=guard, limits=limits
+            )
+            extra: dict = {}
         else:
-            work = base / "work"
-            work.mkdir(mode=0o700)
-            (base / "job.json").write_text(json.dumps(job), encoding="utf-8")
-            shutil.copyfile(_HARNESS, base / "harness.py")
-            for name in ("job.json", "harness.py"):
-                os.chmod(base / name, 0o444)
-            if uid is not None:
-                os.chown(work, uid, uid)
-            cmd = [python, "-I", "-S", "-B", str(base / "harness.py"), "run", str(base / "job.json"), str(write_fd), guard]
-            popen_kwargs = dict(cwd=str(work), env=_scrubbed_env(str(work)))
-            if uid is not None:
-                popen_kwargs.update(user=uid, group=uid, extra_groups=[])
+            cmd, cwd = _process_command(base, job, python=python, uid=uid, result_fd=write_fd, guard=guard)
+            extra = dict(user=uid, group=uid, extra_groups=[]) if uid is not None else {}
         with open(base / "stdout", "wb") as out, open(base / "stderr", "wb") as err:
             proc = subprocess.Popen(
                 cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=err, pass_fds=(write_fd,), start_new_session=True,
-                **popen_kwargs,
+                cwd=cwd, env=_scrubbed_env(cwd if mode == "process" else _WORKDIR_IN_ROOT), **extra,
             )
         os.close(write_fd)
         write_fd = -1
-        executions = _collect(proc, _Reader(read_fd), n=n, per_test=per_test, total=limits.total_s)
+        executions = _collect(proc, _Reader(read_fd), n=len(suite.inputs), per_test=per_test, total=limits.total_s)
         if executions is None:
             stderr = (base / "stderr").read_text(errors="replace")[-2000:]
             raise RuntimeError(f"the code sandbox ({mode}) failed before running any test "
@@ -289,6 +258,58 @@ def run_program(program: str, suite: TestSuite, *, limits: SandboxLimits = Sandb
         if write_fd >= 0:
             os.close(write_fd)
         shutil.rmtree(base, ignore_errors=True)
+
+
+def _write_job(folder: Path, job: dict) -> None:
+    (folder / "job.json").write_text(json.dumps(job), encoding="utf-8")
+    shutil.copyfile(_HARNESS, folder / "harness.py")
+    for name in ("job.json", "harness.py"):
+        os.chmod(folder / name, 0o444)
+
+
+def _namespace_command(
+    base: Path, job: dict, *, python: str, uid: int, result_fd: int, guard: str, limits: SandboxLimits
+) -> tuple[list[str], str]:
+    """`unshare` + the harness's setup phase, which builds the minimal root under base/root."""
+    root = base / "root"
+    root.mkdir(mode=0o755)
+    _write_job(root, job)
+    prefix = os.path.realpath(sys.base_prefix)
+    binds = ["/usr"] + ([] if prefix.startswith("/usr/") else [prefix])
+    symlinks = {name: os.readlink(f"/{name}") for name in ("bin", "lib", "lib64", "sbin") if os.path.islink(f"/{name}")}
+    binds += [f"/{name}" for name in ("lib", "lib64") if os.path.isdir(f"/{name}") and name not in symlinks]
+    config = {
+        "root": str(root),
+        "uid": uid,
+        "binds": binds,
+        "symlinks": symlinks,
+        "workdir": _WORKDIR_IN_ROOT,
+        "tmpfs_bytes": limits.tmpfs_mb * _MIB,
+        "result_fd": result_fd,
+        "python": python,
+        "harness": "/harness.py",
+        "job": "/job.json",
+        "guard": guard,
+        "env": _scrubbed_env(_WORKDIR_IN_ROOT),
+    }
+    unshare = shutil.which("unshare")
+    assert unshare is not None  # checked by namespace_isolation_available
+    cmd = [unshare, "--net", "--mount", "--pid", "--ipc", "--uts", "--fork", "--kill-child", "--",
+           python, "-I", "-S", "-B", str(root / "harness.py"), "setup", json.dumps(config)]
+    return cmd, str(base)
+
+
+def _process_command(
+    base: Path, job: dict, *, python: str, uid: int | None, result_fd: int, guard: str
+) -> tuple[list[str], str]:
+    """The harness's run phase as a plain child, in a fresh working directory base/work."""
+    work = base / "work"
+    work.mkdir(mode=0o700)
+    _write_job(base, job)
+    if uid is not None:
+        os.chown(work, uid, uid)
+    cmd = [python, "-I", "-S", "-B", str(base / "harness.py"), "run", str(base / "job.json"), str(result_fd), guard]
+    return cmd, str(work)
 
 
 def _collect(
@@ -325,7 +346,9 @@ def _collect(
                 current = None
                 test_deadline = time.monotonic() + per_test  # the next start must follow promptly
             else:
-                stop = Execution(index=len(results), status="error", error="the program corrupted the sandbox's report channel")
+                stop = Execution(
+                    index=len(results), status="error", error="the program corrupted the sandbox's report channel"
+                )
                 break
         if stop is None and not messages and not reader.eof and time.monotonic() >= deadline:
             limit = "total time limit" if deadline == total_deadline else "time limit"
@@ -351,14 +374,12 @@ def _well_formed(message: dict) -> bool:
 
 def runner(**limits: object) -> TestRunner:
     """A `run_tests` callable for `sdpo_core.verifiers.code.verify` with these SandboxLimits fields."""
-    return partial(_run_with, limits=SandboxLimits(**limits))  # type: ignore[arg-type]
+    return partial(run_program, limits=SandboxLimits(**limits))  # type: ignore[arg-type]
 
 
-def _run_with(program: str, suite: TestSuite, *, limits: SandboxLimits) -> list[Execution]:
-    return run_program(program, suite, limits=limits)
-
-
-def verify_code(response_text: str, label: str, *, truncated: bool, partial_credit: bool = False, **limits: object) -> Verdict:
+def verify_code(
+    response_text: str, label: str, *, truncated: bool, partial_credit: bool = False, **limits: object
+) -> Verdict:
     """The code verifier wired to this sandbox: `verify(response_text, label, *, truncated, **kwargs)`."""
     return code_verifier.verify(
         response_text, label, truncated=truncated, run_tests=runner(**limits), partial_credit=partial_credit

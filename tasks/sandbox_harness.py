@@ -27,6 +27,7 @@ import resource
 import signal
 import sys
 import traceback
+import typing
 
 SOLUTION = "<solution>"
 TEST_FILES = ("<test>", "<test-setup>")
@@ -181,6 +182,12 @@ def _redirect(fd, path, flags):
         os.close(new)
 
 
+def _text_stream(fd, mode):
+    raw = io.FileIO(fd, mode, closefd=False)
+    buffered = io.BufferedReader(raw) if mode == "r" else io.BufferedWriter(raw)
+    return io.TextIOWrapper(buffered, encoding="utf-8", errors="replace")
+
+
 def _read_capped(path, limit):
     with open(path, "rb") as f:
         data = f.read(limit + 1)
@@ -196,10 +203,12 @@ def run_one(job, index, code, source_lines):
     _redirect(0, stdin_path, os.O_RDONLY)
     _redirect(1, out_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     _redirect(2, err_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-    sys.stdin = io.TextIOWrapper(io.BufferedReader(io.FileIO(0, "r", closefd=False)), encoding="utf-8", errors="replace")
-    sys.stdout = io.TextIOWrapper(io.BufferedWriter(io.FileIO(1, "w", closefd=False)), encoding="utf-8", errors="replace")
-    sys.stderr = io.TextIOWrapper(io.BufferedWriter(io.FileIO(2, "w", closefd=False)), encoding="utf-8", errors="replace")
-    namespace = {"__name__": "__main__", "__builtins__": builtins}
+    sys.stdin = _text_stream(0, "r")
+    sys.stdout = _text_stream(1, "w")
+    sys.stderr = _text_stream(2, "w")
+    namespace = {"__name__": "__main__" if kind == "stdin" else "solution", "__builtins__": builtins}
+    if kind == "functional":  # LeetCode-style starter code uses List, Optional, ... without importing them
+        namespace.update({name: getattr(typing, name) for name in typing.__all__})
     status, output, error = "ok", "", ""
     try:
         exec(code, namespace)
@@ -237,11 +246,13 @@ def run_one(job, index, code, source_lines):
     limit = job["output_limit"]
     stdout, over = _read_capped(out_path, limit)
     stderr, _ = _read_capped(err_path, 4096)
+    over = over or len(output) > limit  # a functional test's return value, as JSON text
     if over and status == "ok":
         status, error = "error", f"Output Limit Exceeded: the program wrote more than {limit} bytes"
     if kind != "functional":
-        output = stdout
-        stdout = ""
+        output, stdout = stdout, ""
+    elif over:
+        output = ""
     for path in (stdin_path, out_path, err_path):
         os.unlink(path)
     del namespace
@@ -272,7 +283,8 @@ def run(job_path, result_fd, guard):
         send({"event": "result", "index": 0, "status": "error", "output": "", "error": detail, "stderr": ""})
         return
     if guard == "guard":
-        install_guard(workdir=os.getcwd(), read_roots=[p for p in sys.path if p] + ["/dev/null", "/dev/zero", "/dev/urandom"])
+        stdlib = [p for p in sys.path if p]
+        install_guard(workdir=os.getcwd(), read_roots=stdlib + ["/dev/null", "/dev/zero", "/dev/urandom"])
     for index in range(len(job["inputs"])):
         send({"event": "start", "index": index})
         result = run_one(job, index, code, source_lines)

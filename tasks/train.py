@@ -9,6 +9,7 @@ a Megatron distributed checkpoint with optimizer, scheduler, RNG and data cursor
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import random
@@ -48,6 +49,18 @@ class Batch:
     old_token_logprobs: Any  # [B, T] behaviour policy (rollout engine)
     advantages: Any  # [B]
     sample_mask: Any  # [B] bool
+    # Packed micro-batches (train.packing): tokens is one row [1, L] of the samples end to end.
+    logit_rows: Any = None  # [B, T] flat index into the micro-batch's logits [B' * S'] per response token
+    packed_seq_params: Any = None  # Megatron PackedSeqParams (thd, boundaries on the CPU)
+
+    def to(self, device: Any) -> Batch:
+        """The same batch with its tensors on `device` (the packing boundaries stay on the CPU)."""
+        moved = {
+            f.name: getattr(self, f.name).to(device)
+            for f in dataclasses.fields(self)
+            if f.name != "packed_seq_params" and getattr(self, f.name) is not None
+        }
+        return dataclasses.replace(self, **moved)
 
 
 def make_batch(columns: dict[str, Any], rows: list[int]) -> Batch:
@@ -95,6 +108,41 @@ def make_batch(columns: dict[str, Any], rows: list[int]) -> Batch:
     )
 
 
+def make_packed_batch(columns: dict[str, Any], rows: list[int], *, pad_to_multiple: int = 8) -> Batch:
+    """The rows as one packed row [1, L] (see `tasks.megatron.packing`), with the padded loss inputs."""
+    from tasks.megatron.packing import pack_sequences
+
+    batch = make_batch(columns, rows)
+    packed = pack_sequences(
+        [columns["prompt_ids"][i] for i in rows],
+        [columns["response_ids"][i] for i in rows],
+        pad_to_multiple=pad_to_multiple,
+    )
+    width = batch.response_ids.shape[1]
+    logit_rows = packed.logit_rows.new_zeros((len(rows), width))
+    logit_rows[:, : packed.logit_rows.shape[1]] = packed.logit_rows[:, :width]
+    return dataclasses.replace(
+        batch,
+        tokens=packed.tokens,
+        position_ids=packed.position_ids,
+        response_positions=logit_rows,
+        logit_rows=logit_rows,
+        packed_seq_params=packed.packed_seq_params(),
+    )
+
+
+def micro_batches(cfg: RunConfig, columns: dict[str, Any], rows: list[int]) -> list[Batch]:
+    """This rank's micro-batches: `micro_batch_size` padded rows each, or token-budget packs."""
+    if not cfg.train.packing:
+        size = cfg.train.micro_batch_size
+        return [make_batch(columns, rows[i : i + size]) for i in range(0, len(rows), size)]
+    from tasks.megatron.packing import plan_packs
+
+    lengths = [len(columns["prompt_ids"][i]) + len(columns["response_ids"][i]) for i in rows]
+    packs = plan_packs(lengths, capacity=cfg.train.pack_tokens)
+    return [make_packed_batch(columns, [rows[j] for j in pack]) for pack in packs]
+
+
 def mini_batch_denominators(cfg: RunConfig, full: Batch) -> tuple[Any, Any]:
     """(SDPO, GRPO) loss normalisers of a whole mini-batch; GRPO counts every sample."""
     import torch
@@ -124,7 +172,8 @@ def minibatch_rows(n_rows: int, *, steps: int, seed: int, iteration: int) -> lis
 class MegatronTrainer:
     """A megatron-core GPTModel with its DDP wrapper, optimizer and LR schedule, kept per process."""
 
-    def __init__(self, cfg: RunConfig, hf_dir: Path) -> None:
+    def __init__(self, cfg: RunConfig, hf_dir: Path, *, load_weights: bool = True) -> None:
+        """`load_weights=False` keeps Megatron's random init (benchmarks need only config.json)."""
         import torch
         from transformers import AutoConfig
 
@@ -136,9 +185,18 @@ class MegatronTrainer:
         init_parallel(tensor_parallel=cfg.train.tensor_parallel, seed=cfg.seed)
         self.hf_config = AutoConfig.from_pretrained(str(hf_dir))
         dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
-        # Gathered (not vocab-sharded) logits: the loss takes a full-vocabulary logsumexp.
-        model = build_gpt_model(self.hf_config, params_dtype=dtype, parallel_output=False)
-        load_hf_into_megatron(model, str(hf_dir))
+        # The unchunked loss takes a full-vocabulary logsumexp of gathered logits; the chunked one
+        # works on vocab-sharded logits under tensor parallelism (never gathered).
+        self.sharded_logits = cfg.train.loss_chunk_tokens > 0 and cfg.train.tensor_parallel > 1
+        model = build_gpt_model(
+            self.hf_config,
+            params_dtype=dtype,
+            parallel_output=self.sharded_logits,
+            attention=cfg.train.attention,
+            recompute=cfg.train.recompute,
+        )
+        if load_weights:
+            load_hf_into_megatron(model, str(hf_dir))
         self.vocab_size = int(self.hf_config.vocab_size)
         self._wrap(model)
         self.iteration = 0  # the iteration whose output these weights are
@@ -154,7 +212,12 @@ class MegatronTrainer:
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
         )
+        from megatron.core.distributed import finalize_model_grads
+
         self.model = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
+        # After the backward passes: data-parallel gradient reduction, and the tensor-parallel
+        # all-reduce of replicated parameters that see only their rank's heads (q/k layernorm).
+        model.config.finalize_model_grads_func = finalize_model_grads
         self.optimizer = get_megatron_optimizer(
             OptimizerConfig(
                 optimizer="adam",
@@ -194,12 +257,18 @@ class MegatronTrainer:
         from sdpo_core.losses import LossInputs, policy_loss
 
         cfg = self.cfg
-        logits = logits[..., : self.vocab_size].float()  # Megatron may pad the vocabulary
-        index = batch.response_positions.unsqueeze(-1).expand(-1, -1, logits.shape[-1])
-        resp_logits = torch.gather(logits, 1, index)  # [B, T, V]
-        lse = torch.logsumexp(resp_logits, dim=-1, keepdim=True)  # [B, T, 1]
-        student_topk = torch.gather(resp_logits, -1, batch.topk_ids) - lse  # [B, T, K]
-        student_tok = torch.gather(resp_logits, -1, batch.response_ids.unsqueeze(-1)).squeeze(-1) - lse.squeeze(-1)
+        if cfg.train.loss_chunk_tokens > 0:
+            student_topk, student_tok = self._chunked_student_logprobs(batch, logits)
+        else:
+            logits = logits[..., : self.vocab_size].float()  # Megatron may pad the vocabulary
+            if batch.logit_rows is not None:
+                resp_logits = logits.reshape(-1, logits.shape[-1])[batch.logit_rows]  # [B, T, V]
+            else:
+                index = batch.response_positions.unsqueeze(-1).expand(-1, -1, logits.shape[-1])
+                resp_logits = torch.gather(logits, 1, index)  # [B, T, V]
+            lse = torch.logsumexp(resp_logits, dim=-1, keepdim=True)  # [B, T, 1]
+            student_topk = torch.gather(resp_logits, -1, batch.topk_ids) - lse  # [B, T, K]
+            student_tok = torch.gather(resp_logits, -1, batch.response_ids.unsqueeze(-1)).squeeze(-1) - lse.squeeze(-1)
         out = policy_loss(
             LossInputs(
                 student_topk_logprobs=student_topk,
@@ -226,6 +295,32 @@ class MegatronTrainer:
         metrics = {name: torch.tensor(float(value)) for name, value in out.metrics.items()}
         return out.loss * scale, metrics
 
+    def _chunked_student_logprobs(self, batch: Batch, logits: Any) -> tuple[Any, Any]:
+        """Student log-probs at the top-K ids [B, T, K] and the sampled ids [B, T], streamed over
+        token and vocabulary chunks (`sdpo_core.chunked`); vocab-parallel when the logits are sharded."""
+        import torch
+
+        from sdpo_core.chunked import chunked_token_logprobs
+        from tasks.megatron.vocab_parallel import tensor_parallel_token_logprobs
+
+        flat = logits.reshape(-1, logits.shape[-1])  # [B' * S', V_local]
+        if batch.logit_rows is not None:
+            logit_rows = batch.logit_rows
+        else:
+            width = logits.shape[1]
+            offsets = torch.arange(batch.response_positions.shape[0], device=flat.device)[:, None] * width
+            logit_rows = batch.response_positions + offsets  # [B, T]
+        mask = batch.response_mask  # [B, T]
+        ids = torch.cat([batch.topk_ids, batch.response_ids.unsqueeze(-1)], dim=-1)  # [B, T, K+1]
+        kwargs = {"vocab_size": self.vocab_size, "chunk_tokens": self.cfg.train.loss_chunk_tokens, "compile": self.cfg.train.loss_compile}
+        if self.sharded_logits:
+            picked = tensor_parallel_token_logprobs(flat, logit_rows[mask], ids[mask], **kwargs)  # [N, K+1]
+        else:
+            picked = chunked_token_logprobs(flat, logit_rows[mask], ids[mask], **kwargs)  # [N, K+1]
+        full = picked.new_zeros(ids.shape)  # [B, T, K+1]
+        full[mask] = picked
+        return full[..., :-1], full[..., -1]
+
     def train_iteration(self, columns: dict[str, Any], *, iteration: int) -> dict[str, float]:
         import torch
         from megatron.core import parallel_state
@@ -238,8 +333,7 @@ class MegatronTrainer:
         step_metrics: list[dict[str, float]] = []
         for rows in minibatch_rows(n_rows, steps=cfg.train.steps_per_iteration, seed=cfg.seed, iteration=iteration):
             local = rows[dp_rank::dp_size]
-            micro = [local[i : i + cfg.train.micro_batch_size] for i in range(0, len(local), cfg.train.micro_batch_size)]
-            batches = [make_batch(columns, m) for m in micro]
+            batches = micro_batches(cfg, columns, local)
             # Every micro-batch divides by the whole mini-batch's normaliser, so the summed
             # gradient equals that of the mini-batch loss; Megatron divides each micro-batch loss
             # by their count and DDP averages over data-parallel ranks, both undone by `scale`.
@@ -247,10 +341,11 @@ class MegatronTrainer:
             denominators = mini_batch_denominators(cfg, full)
             scale = float(len(batches) * dp_size)
             data = iter(batches)
+            device = next(self.model.parameters()).device
 
             def forward_step(data_iterator: Any, model: Any) -> tuple[Any, Any]:
-                batch = next(data_iterator)
-                logits = model(batch.tokens, batch.position_ids, None)
+                batch = next(data_iterator).to(device)
+                logits = model(batch.tokens, batch.position_ids, None, packed_seq_params=batch.packed_seq_params)
                 return logits, partial(self._loss_func, batch, denominators, scale)
 
             self.model.zero_grad_buffer()
@@ -261,7 +356,7 @@ class MegatronTrainer:
                 model=[self.model],
                 num_microbatches=len(batches),
                 seq_length=int(max(b.tokens.shape[1] for b in batches)),
-                micro_batch_size=cfg.train.micro_batch_size,
+                micro_batch_size=int(batches[0].tokens.shape[0]),
                 forward_only=False,
             )
             update_ok, grad_norm, _ = self.optimizer.step()
@@ -271,6 +366,12 @@ class MegatronTrainer:
             merged: dict[str, float] = {}
             for name in reduced[0]:
                 merged[name] = float(torch.stack([r[name] for r in reduced]).mean())
+            # Each micro-batch loss is its share of the mini-batch mean (global normaliser), so the
+            # mini-batch loss is their sum over micro-batches and data-parallel ranks.
+            loss_sum = torch.stack([r["loss/total"] for r in reduced]).sum().reshape(1)
+            if dp_size > 1:
+                torch.distributed.all_reduce(loss_sum, group=parallel_state.get_data_parallel_group())
+            merged["train/loss"] = float(loss_sum)
             merged["train/grad_norm"] = float(grad_norm)
             merged["train/lr"] = float(self.optimizer.param_groups[0]["lr"])
             step_metrics.append(merged)

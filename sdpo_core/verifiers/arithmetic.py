@@ -69,4 +69,5 @@ def verify(response_text: str, label: str, *, truncated: bool) -> Verdict:
         return Verdict(reward=0.0, feedback=FORMAT_ERROR + shown, format_error=True)
     if answer == expected:
         return Verdict(reward=1.0)
-    return Verdict(reward=0.0, feedback=wrong_answer_feedback(answer=answer, label=str(expected)))
+    # the label as written (a zero-padded label stays padded: the expected form of the answer)
+    return Verdict(reward=0.0, feedback=wrong_answer_feedback(answer=answer, label=label.strip()))

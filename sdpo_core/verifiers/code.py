@@ -247,7 +247,9 @@ def judge(suite: TestSuite, executions: Sequence[Execution]) -> list[TestResult]
     results = []
     for ex in executions:
         expected = suite.outputs[ex.index] if suite.outputs else None
-        common = dict(index=ex.index, input=suite.inputs[ex.index], output=ex.output, expected=expected, stderr=ex.stderr)
+        common = dict(
+            index=ex.index, input=suite.inputs[ex.index], output=ex.output, expected=expected, stderr=ex.stderr
+        )
         if ex.status == "timeout":
             results.append(TestResult(outcome="time_limit_exceeded", error=ex.error, **common))
         elif ex.status == "not_run":

@@ -27,7 +27,9 @@ from sdpo_core.records import Verdict
 __all__ = ["FORMAT_ERROR", "TRUNCATED", "answers_match", "extract_final_answer", "normalise", "to_number", "verify"]
 
 TRUNCATED = "Your response was truncated because it exceeded the maximum length. Give the final answer earlier."
-FORMAT_ERROR = "Your answer had the wrong format. Put the final answer inside \\boxed{} (or after '#### ' on the last line)."
+FORMAT_ERROR = (
+    "Your answer had the wrong format. Put the final answer inside \\boxed{} (or after '#### ' on the last line)."
+)
 
 _BOX = re.compile(r"\\(?:boxed|fbox)\s*")
 _GSM8K = re.compile(r"####\s*([^\n]*)")

@@ -8,6 +8,12 @@ Notes on the built model:
 - Forward: `model(input_ids, position_ids, attention_mask=None)` returns logits [B, S, V_pad/tp]
   (vocab-sharded under tensor parallelism unless `parallel_output=False`). With
   `attention_mask=None` the local spec's causal `DotProductAttention` builds the causal mask.
+- `attention="sdpa"` puts `tasks.megatron.attention.SDPACoreAttention` (torch SDPA: cuDNN/flash
+  on a GPU) in the layer spec instead; it also takes packed rows
+  (`packed_seq_params=packing.PackedMicroBatch.packed_seq_params()`, tokens [1, L]), which the
+  default attention cannot.
+- `recompute=True` recomputes every layer in the backward pass (Megatron's full, uniform,
+  one-layer recompute): activation memory for compute.
 - Rotary embeddings use positions 0..S-1 of each row; `position_ids` do not reach RoPE. Batches
   must therefore be right-padded (the HF model with positions 0..S-1 gives the same logits).
 - The vocabulary is padded to a multiple of the tensor-parallel size only
@@ -73,6 +79,7 @@ def transformer_config_from_hf(
     *,
     params_dtype: torch.dtype = torch.float32,
     tensor_parallel: int = 1,
+    recompute: bool = False,
 ) -> TransformerConfig:
     """The Megatron `TransformerConfig` equivalent of a Llama/Qwen2/Qwen3 HF config.
 
@@ -94,6 +101,11 @@ def transformer_config_from_hf(
             raise ValueError(
                 f"{name}={count} is not divisible by tensor_parallel={tensor_parallel}"
             )
+    recompute_settings = (
+        {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+        if recompute
+        else {}
+    )
     return TransformerConfig(
         num_layers=hf_config.num_hidden_layers,
         hidden_size=hf_config.hidden_size,
@@ -124,6 +136,7 @@ def transformer_config_from_hf(
         bias_dropout_fusion=False,
         persist_layer_norm=False,
         apply_rope_fusion=False,
+        **recompute_settings,
     )
 
 
@@ -132,6 +145,8 @@ def build_gpt_model(
     *,
     params_dtype: torch.dtype = torch.float32,
     parallel_output: bool = True,
+    attention: str = "local",
+    recompute: bool = False,
 ) -> GPTModel:
     """A Megatron `GPTModel` (local spec) with the architecture of `hf_config`.
 
@@ -153,8 +168,15 @@ def build_gpt_model(
         hf_config,
         params_dtype=params_dtype,
         tensor_parallel=tensor_parallel,
+        recompute=recompute,
     )
     spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm)
+    if attention == "sdpa":
+        from tasks.megatron.attention import SDPACoreAttention
+
+        spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+    elif attention != "local":
+        raise ValueError(f"attention={attention!r}; expected 'local' or 'sdpa'")
     model = GPTModel(
         config,
         spec,
@@ -169,11 +191,13 @@ def build_gpt_model(
     )
     model.to(dtype=params_dtype)
     logger.info(
-        "built GPTModel for %s: %d layers, hidden %d, tp=%d, dtype=%s",
+        "built GPTModel for %s: %d layers, hidden %d, tp=%d, dtype=%s, attention=%s, recompute=%s",
         hf_config.model_type,
         config.num_layers,
         config.hidden_size,
         tensor_parallel,
         params_dtype,
+        attention,
+        recompute,
     )
     return model

@@ -55,8 +55,10 @@ def test_leading_zeros_are_accepted_and_signs_honoured():
     assert verify("-3", "-3", truncated=False).reward == 1.0
 
 
-def test_expected_value_in_feedback_is_canonical():
-    assert verify("7", "082", truncated=False).feedback.endswith("Expected: 82.")
+def test_expected_value_in_feedback_keeps_the_label_as_written():
+    # a zero-padded label is the expected form of the answer, so the feedback shows it padded
+    assert verify("7", "082", truncated=False).feedback.endswith("Expected: 082.")
+    assert verify("7", " 82 ", truncated=False).feedback.endswith("Expected: 82.")
 
 
 def test_non_integer_label_is_rejected():

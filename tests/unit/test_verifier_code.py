@@ -42,7 +42,10 @@ def ok(index: int, output: str, stderr: str = "") -> Execution:
 
 # -- extraction ----------------------------------------------------------------------------------
 def test_the_longest_fenced_block_is_the_program():
-    text = "Idea:\n```\nx = 1\n```\nSolution:\n```python\nimport sys\nprint(sum(map(int, sys.stdin.read().split())))\n```\nDone."
+    text = (
+        "Idea:\n```\nx = 1\n```\nSolution:\n```python\nimport sys\n"
+        "print(sum(map(int, sys.stdin.read().split())))\n```\nDone."
+    )
     assert extract_code(text) == "import sys\nprint(sum(map(int, sys.stdin.read().split())))\n"
 
 
@@ -191,7 +194,8 @@ def test_one_failing_test_scores_zero_with_leetcode_feedback():
 
 def test_partial_credit_is_the_fraction_passed():
     run = fake_runner(ok(0, "3\n"), ok(1, "31\n"), ok(2, "10\n"))
-    assert verify(PROGRAM, suite_to_label(STDIN), truncated=False, run_tests=run, partial_credit=True).reward == pytest.approx(2 / 3)
+    verdict = verify(PROGRAM, suite_to_label(STDIN), truncated=False, run_tests=run, partial_credit=True)
+    assert verdict.reward == pytest.approx(2 / 3)
 
 
 def test_no_code_block_is_a_format_error_and_runs_nothing():

@@ -58,7 +58,10 @@ def test_multiline_json_inputs_are_read_whole():
 
 
 def test_input_values_must_match_exactly():
-    text = "Action: getCurrentWeather\nAction Input: {\"city\": \"lima\"}\nAction: getForecast\nAction Input: {\"city\": \"Lima\", \"days\": 3}"
+    text = (
+        "Action: getCurrentWeather\nAction Input: {\"city\": \"lima\"}\n"
+        "Action: getForecast\nAction Input: {\"city\": \"Lima\", \"days\": 3}"
+    )
     assert verify(text, TWO_STEPS, truncated=False).reward == 0.0
 
 
@@ -99,7 +102,10 @@ def test_truncation_takes_priority():
 
 
 def test_detailed_feedback_names_the_problem_without_gold_values():
-    text = "Action: getCurrentWeather\nAction Input: {\"city\": \"Quito\", \"units\": \"metric\"}\nAction: getHistory\nAction Input: {}"
+    text = (
+        "Action: getCurrentWeather\nAction Input: {\"city\": \"Quito\", \"units\": \"metric\"}\n"
+        "Action: getHistory\nAction Input: {}"
+    )
     feedback = verify(text, TWO_STEPS, truncated=False, detailed_feedback=True).feedback
     assert "the value 'Quito' of argument 'city' is not correct" in feedback
     assert "unexpected argument 'units'" in feedback
@@ -156,7 +162,8 @@ def test_accepted_calls_in_json_or_python_syntax_score_one(response):
 
 
 def test_parallel_calls_match_in_any_order():
-    assert verify_function_calls("[math.factorial(number=7), math.factorial(number=5)]", PARALLEL, truncated=False).reward == 1.0
+    response = "[math.factorial(number=7), math.factorial(number=5)]"
+    assert verify_function_calls(response, PARALLEL, truncated=False).reward == 1.0
 
 
 @pytest.mark.parametrize(
@@ -166,9 +173,11 @@ def test_parallel_calls_match_in_any_order():
         ("[calculate_triangle_area(base=10, height=5, color='red')]", "unexpected argument 'color'"),
         ("[calculate_triangle_area(base=12, height=5)]", "the value 12 of argument 'base'"),
         ("[calculate_triangle_area(base=10, height=5, unit='cm')]", "the value 'cm' of argument 'unit'"),
-        ("[calculate_triangle_area(base='10', height=5)]", "argument 'base' of 'calculate_triangle_area' must be of type integer"),
+        ("[calculate_triangle_area(base='10', height=5)]",
+         "argument 'base' of 'calculate_triangle_area' must be of type integer"),
         ("[triangle_area(base=10, height=5)]", "'triangle_area' is not one of the available functions"),
-        ("[calculate_triangle_area(base=10, height=5), calculate_triangle_area(base=10, height=5)]", "Expected 1 function call(s), got 2"),
+        ("[calculate_triangle_area(base=10, height=5), calculate_triangle_area(base=10, height=5)]",
+         "Expected 1 function call(s), got 2"),
     ],
 )
 def test_wrong_calls_get_feedback_naming_the_problem(response, expected):

@@ -1,0 +1,115 @@
+"""Shared pieces of the GPU benchmarks: model shapes, FLOP counts, timing, result lines."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+PEAK_BF16_FLOPS = 989e12  # H100/H200 SXM dense bf16, the MFU denominator
+
+# Qwen3 shapes (random init; embeddings untied as in the feasibility measurements)
+SHAPES: dict[str, dict[str, Any]] = {
+    "0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                 num_key_value_heads=8, head_dim=128),
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16),  # CPU smoke runs of the scripts
+    "1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
+                 num_key_value_heads=8, head_dim=128),
+}
+VOCAB = 151936
+
+
+def qwen3_config(shape: str) -> Any:
+    from transformers import Qwen3Config
+
+    return Qwen3Config(
+        vocab_size=VOCAB, max_position_embeddings=40960, rope_theta=1_000_000.0, tie_word_embeddings=False,
+        architectures=["Qwen3ForCausalLM"], **SHAPES[shape],
+    )
+
+
+def flops_per_token(model: Any, hf_config: Any, *, seq_len: int, training: bool) -> tuple[float, int]:
+    """(FLOPs per token, N): 6N + 6 L S d_q for training (2N + 2 L S d_q forward only), where N
+    counts parameters without the input embedding (the LM head included) and the attention term
+    is QK^T and AV over the causal half of a sequence of `seq_len`."""
+    n = sum(p.numel() for name, p in model.named_parameters() if "word_embeddings" not in name)
+    d_q = hf_config.num_attention_heads * hf_config.head_dim
+    per = 2 * n + 2 * hf_config.num_hidden_layers * seq_len * d_q
+    return float(per * (3 if training else 1)), n
+
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def reset_peak() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+
+
+def allocated() -> int:
+    return torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
+
+
+def peak() -> int:
+    return torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
+
+
+def cuda_time(fn: Callable[[], Any], *, warmup: int, repeat: int) -> list[float]:
+    """Seconds per call (synchronised wall clock around each call, after warm-up calls)."""
+    for _ in range(warmup):
+        fn()
+    sync()
+    times = []
+    for _ in range(repeat):
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
+    """(result, seconds) of one synchronised call."""
+    sync()
+    start = time.perf_counter()
+    out = fn()
+    sync()
+    return out, time.perf_counter() - start
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def gib(n_bytes: float) -> float:
+    return n_bytes / 2**30
+
+
+def emit(record: dict[str, Any]) -> None:
+    """One JSON result line (prefixed, so logs can be grepped)."""
+    print("RESULT " + json.dumps(record), flush=True)
+
+
+def environment() -> dict[str, Any]:
+    import megatron.core
+    import transformers
+
+    return {
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version(),
+        "megatron_core": megatron.core.__version__,
+        "transformers": transformers.__version__,
+    }

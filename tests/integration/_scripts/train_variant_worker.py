@@ -1,0 +1,44 @@
+"""One training iteration with config overrides; run directly or under torchrun (CPU or GPU).
+
+    python train_variant_worker.py HF_DIR COLUMNS.pkl OUT_DIR 'JSON overrides of the run config'
+
+Writes OUT_DIR/metrics.json (rank 0) and OUT_DIR/hf (the trained weights, when HF_DIR has a tokenizer).
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import sys
+from pathlib import Path
+
+
+def main() -> None:
+    import torch.distributed as dist
+
+    from tasks.config import build_config
+    from tasks.train import MegatronTrainer
+
+    hf_dir, columns_path, out_dir = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
+    overrides = json.loads(sys.argv[4])
+    columns = pickle.loads(columns_path.read_bytes())
+    tree = {
+        "iterations": 1,
+        "data": {"prompts_per_iteration": 4},
+        "rollout": {"group_size": 4},
+        "train": {"steps_per_iteration": 1, "micro_batch_size": 3},
+        "optimizer": {"lr": 1e-2},
+        "loss": {"type": "blend", "blend_lambda": 0.3, "mask_reduction": "exclude"},
+    }
+    for section, values in overrides.items():
+        tree.setdefault(section, {}).update(values)
+    trainer = MegatronTrainer(build_config(tree), hf_dir)
+    metrics = trainer.train_iteration(columns, iteration=1)
+    if (hf_dir / "tokenizer_config.json").is_file():  # the GPU tests' random checkpoints have no tokenizer
+        trainer.save_hf(out_dir / "hf", hf_dir)
+    if dist.get_rank() == 0:
+        (out_dir / "metrics.json").write_text(json.dumps(metrics))
+
+
+if __name__ == "__main__":
+    main()
