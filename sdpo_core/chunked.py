@@ -171,7 +171,9 @@ def chunked_token_logprobs(
         vocab_size = local
     valid = max(0, min(local, vocab_size - vocab_start))
     if reducer is None and valid < 1:
-        raise ValueError(f"no vocabulary column below vocab_size={vocab_size} in [{vocab_start}, {vocab_start + local})")
+        raise ValueError(
+            f"no vocabulary column below vocab_size={vocab_size} in [{vocab_start}, {vocab_start + local})"
+        )
     if rows.numel():
         lo, hi = int(ids.min()), int(ids.max())
         if lo < 0 or hi >= vocab_size:

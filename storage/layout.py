@@ -301,7 +301,7 @@ def create_or_open_run(
     if not allow_config_change:
         raise ConfigMismatchError(
             f"run {layout.run_name!r} was created with another config; differences (old -> new):\n{text}\n"
-            "pass allow_config_change=True to accept and record the change"
+            "pass allow_config_change=True (sdpo run --allow-config-change) to accept and record the change"
         )
     change = {
         "changed_at": utc_now(),

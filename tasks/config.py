@@ -58,6 +58,11 @@ class BootstrapConfig(_Section):
 
     @model_validator(mode="after")
     def _heads_divide(self) -> BootstrapConfig:
+        if any(w < 0 for w in self.warmup_mix.values()) or sum(self.warmup_mix.values()) <= 0:
+            raise ValueError(
+                f"warmup_mix={self.warmup_mix} needs non-negative shares with a positive sum; give all three, "
+                "e.g. model.bootstrap.warmup_mix='{plain: 0.1, solution: 0.4, feedback: 0.5}'"
+            )
         if self.hidden_size % self.num_heads:
             raise ValueError(
                 f"hidden_size={self.hidden_size} is not divisible by num_heads={self.num_heads}; "

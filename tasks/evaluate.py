@@ -46,7 +46,8 @@ def evaluate_checkpoint(run: Run, policy_dir: Path, *, progress: bool = True) ->
 
 
 def teacher_accuracy(run: Run, teacher_dir: Path, *, progress: bool = False) -> float:
-    """Greedy accuracy of the teacher with a correct demonstration in context (the gap SDPO distils)."""
+    """Greedy accuracy on the eval split of the teacher with the reference answer in context as a
+    peer's solution (rendered by `build_teacher_messages`): the gap SDPO distils."""
     from sdpo_core.teacher_context import build_teacher_messages
     from tasks.data import load_splits
     from tasks.rollout import sample_groups
@@ -68,10 +69,16 @@ def run_evaluation(root: str, run_name: str, iteration: int) -> dict[str, float]
     from storage.stages import read_eval, write_eval
     from tasks.runtime import checkpoint_dir, open_run
 
+    from tasks.runtime import teacher_source
+
     run = open_run(root, run_name)
     cached = read_eval(run.layout, iteration)
     if cached is not None:
         return cached
     metrics = evaluate_checkpoint(run, checkpoint_dir(run, iteration, "policy"))
+    # The teacher that scores the next iteration, shown the reference answer as a peer solution:
+    # SDPO can only distil what this teacher knows (trust-region mixing is not applied here).
+    teacher_dir, _ = teacher_source(run, iteration + 1)
+    metrics["eval/teacher_accuracy"] = teacher_accuracy(run, teacher_dir)
     write_eval(run.layout, iteration, metrics)
     return metrics

@@ -129,7 +129,7 @@ def render_table(summary: dict[str, Any]) -> Any:
     table.add_column("metric")
     table.add_column("before", justify="right")
     table.add_column("after", justify="right")
-    for key in ("eval/greedy_accuracy", "eval/sampled_accuracy"):
+    for key in ("eval/greedy_accuracy", "eval/sampled_accuracy", "eval/teacher_accuracy"):
         table.add_row(key, f"{summary['before'].get(key, float('nan')):.3f}", f"{summary['after'].get(key, float('nan')):.3f}")
     for stage, seconds in summary["stage_seconds"].items():
         table.add_row(f"time in {stage} (s)", "", f"{seconds:.1f}")

@@ -108,19 +108,35 @@ def run_teacher(root: str, run_name: str, iteration: int) -> dict:
         ]
         sources = [c.source for c in contexts]
         masks = [bool(c.mask) for c in contexts]
-        model = AutoModelForCausalLM.from_pretrained(str(teacher_dir), dtype=torch.float32).eval()
-        reference = None
-        if reference_dir is not None:
-            reference = AutoModelForCausalLM.from_pretrained(str(reference_dir), dtype=torch.float32).eval()
+        sequences = [(t, list(map(int, r))) for t, r in zip(teacher_ids, columns["response_ids"], strict=True)]
+        rate = cfg.teacher.update_rate if reference_dir is not None else None
         score_started = time.perf_counter()
-        scored = score_teacher(
-            model,
-            sequences=[(t, list(map(int, r))) for t, r in zip(teacher_ids, columns["response_ids"], strict=True)],
-            topk_ids=list(columns["topk_ids"]),
-            batch_tokens=cfg.teacher.batch_tokens,
-            reference_model=reference,
-            trust_region_rate=cfg.teacher.update_rate if reference is not None else None,
-        )
+        if cfg.teacher.backend == "megatron":
+            from tasks.megatron.scorer import score_teacher_megatron
+
+            scored = score_teacher_megatron(
+                teacher_dir,
+                sequences=sequences,
+                topk_ids=list(columns["topk_ids"]),
+                batch_tokens=cfg.teacher.batch_tokens,
+                tensor_parallel=cfg.train.tensor_parallel,
+                reference_dir=reference_dir,
+                trust_region_rate=rate,
+                seed=cfg.seed,
+            )
+        else:
+            model = AutoModelForCausalLM.from_pretrained(str(teacher_dir), dtype=torch.float32).eval()
+            reference = None
+            if reference_dir is not None:
+                reference = AutoModelForCausalLM.from_pretrained(str(reference_dir), dtype=torch.float32).eval()
+            scored = score_teacher(
+                model,
+                sequences=sequences,
+                topk_ids=list(columns["topk_ids"]),
+                batch_tokens=cfg.teacher.batch_tokens,
+                reference_model=reference,
+                trust_region_rate=rate,
+            )
         score_seconds = time.perf_counter() - score_started
         topk_lp = [s[0] for s in scored]
         token_lp = [s[1] for s in scored]

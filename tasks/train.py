@@ -312,7 +312,11 @@ class MegatronTrainer:
             logit_rows = batch.response_positions + offsets  # [B, T]
         mask = batch.response_mask  # [B, T]
         ids = torch.cat([batch.topk_ids, batch.response_ids.unsqueeze(-1)], dim=-1)  # [B, T, K+1]
-        kwargs = {"vocab_size": self.vocab_size, "chunk_tokens": self.cfg.train.loss_chunk_tokens, "compile": self.cfg.train.loss_compile}
+        kwargs = {
+            "vocab_size": self.vocab_size,
+            "chunk_tokens": self.cfg.train.loss_chunk_tokens,
+            "compile": self.cfg.train.loss_compile,
+        }
         if self.sharded_logits:
             picked = tensor_parallel_token_logprobs(flat, logit_rows[mask], ids[mask], **kwargs)  # [N, K+1]
         else:

@@ -27,7 +27,7 @@ from benchmarks.gpu.common import DEVICE, emit, environment, gib, peak, qwen3_co
 
 def free() -> None:
     if DEVICE == "cuda":
-        free()
+        torch.cuda.empty_cache()
 
 
 def main() -> None:
@@ -38,6 +38,7 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--k", type=int, default=16)
+    parser.add_argument("--probe", action="store_true", help="also train one step per GPU-path variant, fresh each")
     args = parser.parse_args()
     emit({"bench": "environment", **environment()})
 
@@ -105,15 +106,18 @@ def main() -> None:
             "advantage": group_advantages(rewards, groups, normalize_std=False).tolist(),
             "sample_mask": [True] * len(samples),
         }
-        cfg = build_config({
-            "iterations": 10,
-            "model": {"dtype": "bfloat16" if DEVICE == "cuda" else "float32"},  # Megatron's bf16 optimizer is CUDA-only
-            "data": {"prompts_per_iteration": args.prompts},
-            "rollout": {"group_size": args.group, "top_k": args.k},
-            "train": {"steps_per_iteration": 1, "attention": "sdpa", "packing": True, "pack_tokens": 16384,
-                      "loss_chunk_tokens": 1024, "loss_compile": DEVICE == "cuda"},
-            "optimizer": {"lr": 1e-6},
-        })
+        def make_cfg(**train):
+            return build_config({
+                "iterations": 10,
+                "model": {"dtype": "bfloat16" if DEVICE == "cuda" else "float32"},  # Megatron's bf16 optimizer is CUDA-only
+                "data": {"prompts_per_iteration": args.prompts},
+                "rollout": {"group_size": args.group, "top_k": args.k},
+                "train": {"steps_per_iteration": 1, "attention": "sdpa", "packing": True, "pack_tokens": 16384,
+                          "loss_chunk_tokens": 1024, "loss_compile": DEVICE == "cuda", **train},
+                "optimizer": {"lr": 1e-6},
+            })
+
+        cfg = make_cfg()
         trainer, trainer_load_s = timed(lambda: MegatronTrainer(cfg, hf_dir))
         m1, train1_s = timed(lambda: trainer.train_iteration(columns, iteration=1))
         m2, train2_s = timed(lambda: trainer.train_iteration(columns, iteration=2))
@@ -131,7 +135,33 @@ def main() -> None:
             "load_s": {"megatron_scorer": round(load_s, 2), "trainer": round(trainer_load_s, 2), "init": round(setup_s, 2)},
             "losses": [m1["train/loss"], m2["train/loss"]],
             "peak_gib": round(gib(peak()), 1),
+            "grad_norms": [m1["train/grad_norm"], m2["train/grad_norm"]],
         })
+        del trainer
+        free()
+        if args.probe:
+            import tasks.megatron.attention as attention
+
+            # Which GPU-path piece changes the step: each variant trains one step from the same weights.
+            default_backends = list(attention.PACKED_CUDA_BACKENDS)
+            cudnn_first = [attention.SDPBackend.CUDNN_ATTENTION, *default_backends]
+            variants = {
+                "as_above": ({}, default_backends),
+                "packed_cudnn": ({}, cudnn_first),
+                "no_compile": ({"loss_compile": False}, default_backends),
+                "unchunked_loss": ({"loss_chunk_tokens": 0, "loss_compile": False}, default_backends),
+                "padded_mb16": ({"packing": False}, default_backends),
+            }
+            for name, (train, backends) in variants.items():
+                attention.PACKED_CUDA_BACKENDS[:] = backends
+                probe = MegatronTrainer(make_cfg(micro_batch_size=16, **train), hf_dir)
+                metrics, seconds = timed(lambda: probe.train_iteration(columns, iteration=1))
+                emit({"bench": "sdpo_iteration_probe", "variant": name, "train_s": round(seconds, 3),
+                      "loss": metrics["train/loss"], "grad_norm": metrics["train/grad_norm"],
+                      "is_weight_mean": metrics.get("sdpo/is_weight_mean")})
+                del probe
+                free()
+            attention.PACKED_CUDA_BACKENDS[:] = default_backends
 
 
 if __name__ == "__main__":

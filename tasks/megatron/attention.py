@@ -16,7 +16,8 @@ Inputs and output follow `DotProductAttention`:
 - packed batches (`packed_seq_params.qkv_format == "thd"`): Megatron drops the batch axis, so q is
   [t, h, d] for all the samples of one micro-batch laid end to end, with their boundaries in
   `cu_seqlens_q`. Attention must not cross those boundaries, so each sample is attended on its
-  own (causal within it); no [t, t] mask is built and the kernels stay the fast ones. Megatron's
+  own (causal within it); no [t, t] mask is built and the kernels stay fused ones (flash on a GPU:
+  see `PACKED_CUDA_BACKENDS`). Megatron's
   rotary embedding restarts positions at every boundary in this format, so a packed forward equals
   the per-sample forwards. Keep `cu_seqlens_q` on the CPU: the boundaries are read as Python ints.
 """
@@ -36,12 +37,22 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-__all__ = ["SDPACoreAttention", "CUDA_BACKENDS"]
+__all__ = ["SDPACoreAttention", "CUDA_BACKENDS", "PACKED_CUDA_BACKENDS"]
 
 # Tried in this order on a GPU: cuDNN was ~1.9x faster than flash (FA2) on an H200 at 4 x 4096;
 # the memory-efficient kernel cannot take enable_gqa; math is the last resort.
 CUDA_BACKENDS = [
     SDPBackend.CUDNN_ATTENTION,
+    SDPBackend.FLASH_ATTENTION,
+    SDPBackend.EFFICIENT_ATTENTION,
+    SDPBackend.MATH,
+]
+# Packed rows attend one sample at a time on slices of the packed q/k/v. There cuDNN's backward
+# returned NaN, then wildly wrong (grad norm 3.6e6 instead of 5.4e-4), gradients (torch 2.11,
+# cuDNN 9.19, H200: 0.6B shape, 42 samples of 384 tokens per row) while flash, and cuDNN on the
+# same samples padded, agreed to 1e-4; so packed rows use flash first when gradients are on.
+# cuDNN's forward was right on the same rows, so forward-only scoring keeps it (~15% faster).
+PACKED_CUDA_BACKENDS = [
     SDPBackend.FLASH_ATTENTION,
     SDPBackend.EFFICIENT_ATTENTION,
     SDPBackend.MATH,
@@ -64,7 +75,9 @@ class SDPACoreAttention(MegatronModule):
     ) -> None:
         super().__init__(config=config)
         if config.context_parallel_size != 1:
-            raise NotImplementedError(f"context_parallel_size={config.context_parallel_size}; SDPA core attention needs 1")
+            raise NotImplementedError(
+                f"context_parallel_size={config.context_parallel_size}; SDPA core attention needs 1"
+            )
         if attention_type != "self":
             raise NotImplementedError(f"attention_type={attention_type!r}; only self-attention is supported")
         self.layer_number = layer_number
@@ -72,7 +85,9 @@ class SDPACoreAttention(MegatronModule):
         self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         self.scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
 
-    def _sdpa(self, q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None, causal: bool) -> Tensor:
+    def _sdpa(
+        self, q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None, causal: bool, packed: bool = False
+    ) -> Tensor:
         """[..., h, s, d] x [..., g, s, d] -> [..., h, s, d]."""
         kwargs = dict(
             attn_mask=mask,
@@ -82,7 +97,8 @@ class SDPACoreAttention(MegatronModule):
             enable_gqa=q.shape[-3] != k.shape[-3],
         )
         if q.is_cuda:
-            with sdpa_kernel(CUDA_BACKENDS, set_priority=True):
+            backends = PACKED_CUDA_BACKENDS if packed and torch.is_grad_enabled() else CUDA_BACKENDS
+            with sdpa_kernel(backends, set_priority=True):
                 return F.scaled_dot_product_attention(q, k, v, **kwargs)
         return F.scaled_dot_product_attention(q, k, v, **kwargs)
 
@@ -121,7 +137,7 @@ class SDPACoreAttention(MegatronModule):
             raise ValueError(f"cu_seqlens {bounds} do not cover the {t} packed tokens (or q and kv differ)")
         q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (query, key, value))  # [1, h|g, t, d]
         parts = [
-            self._sdpa(q[:, :, a:z], k[:, :, a:z], v[:, :, a:z], mask=None, causal=causal)  # [1, h, n, d]
+            self._sdpa(q[:, :, a:z], k[:, :, a:z], v[:, :, a:z], mask=None, causal=causal, packed=True)  # [1, h, n, d]
             for a, z in zip(bounds[:-1], bounds[1:], strict=True)
             if z > a
         ]

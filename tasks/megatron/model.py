@@ -152,7 +152,8 @@ def build_gpt_model(
 
     Needs model parallelism initialised (`tasks.megatron.parallel.init_parallel`); the tensor-
     parallel size is read from it. Pipeline parallelism is not supported (one stage). The model
-    is cast to `params_dtype` as a whole, because the local spec builds its RMSNorms in fp32.
+    is cast to `params_dtype` as a whole, because the local spec builds its RMSNorms in fp32 (and
+    on the CPU: with CUDA the whole model is moved to the current device).
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
@@ -189,6 +190,10 @@ def build_gpt_model(
         position_embedding_type="rope",
         **rope_settings_from_hf(hf_config),
     )
+    if torch.cuda.is_available():
+        # Megatron's parallel layers are created on the GPU, but the local spec's torch norms
+        # (WrappedTorchNorm) on the CPU: move the whole model to this rank's device.
+        model.cuda(torch.cuda.current_device())
     model.to(dtype=params_dtype)
     logger.info(
         "built GPTModel for %s: %d layers, hidden %d, tp=%d, dtype=%s, attention=%s, recompute=%s",

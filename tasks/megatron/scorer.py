@@ -139,24 +139,22 @@ class MegatronTeacherScorer:
             ref_logits = None
             if self.reference is not None:
                 ref_logits = self.reference(tokens, positions, None, packed_seq_params=params)[0]
-            ids = torch.from_numpy(
+            per_sample = [
                 np.concatenate(
-                    [
-                        np.concatenate(
-                            [np.asarray(topk_ids[i], dtype=np.int64), np.asarray(sequences[i][1], dtype=np.int64)[:, None]],
-                            axis=1,
-                        )
-                        for i in pack
-                    ]
+                    [np.asarray(topk_ids[i], dtype=np.int64), np.asarray(sequences[i][1], dtype=np.int64)[:, None]],
+                    axis=1,
                 )
-            ).to(self.device)  # [N, K+1]
+                for i in pack
+            ]
+            ids = torch.from_numpy(np.concatenate(per_sample)).to(self.device)  # [N, K+1]
             rows = packed.response_rows.to(self.device)  # [N]
             parts = []
             for c0 in range(0, rows.shape[0], logit_chunk_tokens):
                 r = rows[c0 : c0 + logit_chunk_tokens]
                 chunk = logits.index_select(0, r)  # [C, V/tp]
                 if ref_logits is not None:
-                    chunk = trust_region_logits(ref_logits.index_select(0, r).float(), chunk.float(), rate=trust_region_rate)
+                    reference = ref_logits.index_select(0, r).float()
+                    chunk = trust_region_logits(reference, chunk.float(), rate=trust_region_rate)
                 local_rows = torch.arange(r.shape[0], device=self.device)
                 parts.append(
                     vocab_parallel_token_logprobs(

@@ -40,9 +40,14 @@ def columns_file(tmp_path_factory):
     return path
 
 
+# The worker's default blend loss has PPO ratios up to e^20 on these synthetic columns: its gradient
+# amplifies bf16 rounding of the log-probs, so the comparisons use the SDPO loss without IS weights.
+LOSS = {"type": "sdpo", "is_clip": None}
+
+
 def train(tiny_hf_dir, columns_file, out: Path, train_cfg: dict, *, nproc: int = 1) -> dict:
     out.mkdir(parents=True)
-    overrides = {"model": {"dtype": "bfloat16"}, "train": train_cfg}
+    overrides = {"model": {"dtype": "bfloat16"}, "train": train_cfg, "loss": LOSS}
     torchrun("train_variant_worker.py", str(tiny_hf_dir), str(columns_file), str(out), json.dumps(overrides), nproc=nproc)
     return json.loads((out / "metrics.json").read_text())
 
@@ -57,8 +62,9 @@ def test_bf16_gpu_path_step_equals_the_default_step(tiny_hf_dir, columns_file, t
     base = train(tiny_hf_dir, columns_file, tmp_path / "base", {})
     fast = gpu_path_step
     print("default", base, "\ngpu path", fast)
-    assert fast["train/loss"] == pytest.approx(base["train/loss"], rel=2e-2, abs=1e-3)
-    assert fast["train/grad_norm"] == pytest.approx(base["train/grad_norm"], rel=5e-2)
+    assert fast["train/loss"] == pytest.approx(base["train/loss"], rel=2e-3, abs=1e-5)
+    # bf16 gradients through different kernels: TP=1 and TP=2 of one path differed by 1.7% here
+    assert fast["train/grad_norm"] == pytest.approx(base["train/grad_norm"], rel=3e-2)
 
 
 @two_gpus
@@ -66,8 +72,8 @@ def test_tensor_parallel_2_step_equals_one_gpu(tiny_hf_dir, columns_file, tmp_pa
     one = gpu_path_step
     two = train(tiny_hf_dir, columns_file, tmp_path / "tp2", {**GPU_PATH, "tensor_parallel": 2}, nproc=2)
     print("tp1", one, "\ntp2", two)
-    assert two["train/loss"] == pytest.approx(one["train/loss"], rel=2e-2, abs=1e-3)
-    assert two["train/grad_norm"] == pytest.approx(one["train/grad_norm"], rel=5e-2)
+    assert two["train/loss"] == pytest.approx(one["train/loss"], rel=2e-3, abs=1e-5)
+    assert two["train/grad_norm"] == pytest.approx(one["train/grad_norm"], rel=3e-2)
 
 
 @pytest.fixture(scope="module")

@@ -180,3 +180,17 @@ def test_a_run_on_s3_keeps_everything_in_the_bucket_and_credentials_out_of_it(
     assert [r.iteration for r in lineage(layout) if r.kind == "policy"] == [0, 1]
     assert full["secret"] not in json.dumps(read_run(layout))
     assert not (tmp_path / "runs").exists()
+
+
+def test_megatron_teacher_backend_scores_like_the_embedded_scorer(tmp_path, prefect_server):
+    from flows.run import sdpo_run
+    from storage.layout import RunLayout
+    from storage.shards import read_stage_columns
+
+    sdpo_run(str(write_config(tmp_path, "hf-teacher")), ["iterations=1"])
+    sdpo_run(str(write_config(tmp_path, "mc-teacher", teacher={"backend": "megatron"})), ["iterations=1"])
+    a = read_stage_columns(RunLayout(str(tmp_path / "runs"), "hf-teacher"), 1, "teacher")
+    b = read_stage_columns(RunLayout(str(tmp_path / "runs"), "mc-teacher"), 1, "teacher")
+    assert [list(x) for x in a["response_ids"]] == [list(x) for x in b["response_ids"]]
+    for x, y in zip(a["teacher_topk_logprobs"], b["teacher_topk_logprobs"], strict=True):
+        np.testing.assert_allclose(x, y, atol=1e-4)

@@ -130,9 +130,10 @@ def test_writer_whose_lock_was_taken_over_finds_out(layout: RunLayout) -> None:
 
 
 def test_heartbeat_keeps_a_short_lease_alive(layout: RunLayout) -> None:
-    with RunLock(layout, lease_seconds=0.3, heartbeat_seconds=0.05) as lock:
+    # a lease much shorter than the wait: only the heartbeat keeps it alive (margins for a busy machine)
+    with RunLock(layout, lease_seconds=1.5, heartbeat_seconds=0.1) as lock:
         first = read_lock_holder(layout)
-        time.sleep(0.5)
+        time.sleep(2.0)
         assert read_lock_holder(layout).expires_at > first.expires_at
         assert read_lock_holder(layout).stale_reason() is None
         with pytest.raises(LockHeldError):

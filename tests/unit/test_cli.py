@@ -1,0 +1,29 @@
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from flows.cli import app
+
+REPO = Path(__file__).resolve().parents[2]
+runner = CliRunner()
+
+
+@pytest.mark.parametrize("command", ["run", "validate", "lineage", "status", "eval", "prepare-data"])
+def test_every_command_has_help(command):
+    result = runner.invoke(app, [command, "--help"])
+    assert result.exit_code == 0, result.output
+    assert "Usage" in result.output
+
+
+def test_validate_prints_the_resolved_config_with_overrides():
+    result = runner.invoke(app, ["validate", str(REPO / "configs" / "demo.yaml"), "loss.alpha=0.25"])
+    assert result.exit_code == 0, result.output
+    assert "alpha: 0.25" in result.output
+    assert "update_rate: 0.05" in result.output  # defaults are shown too
+
+
+def test_invalid_config_names_the_field_and_exits_2():
+    result = runner.invoke(app, ["validate", str(REPO / "configs" / "demo.yaml"), "loss.divergence=sampled_token"])
+    assert result.exit_code == 2
+    assert "loss" in result.output and "alpha=1" in result.output
