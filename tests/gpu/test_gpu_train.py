@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from tests.gpu.conftest import VOCAB, synthetic_columns
+from tests.gpu.conftest import VOCAB
+from tests.synthetic import synthetic_teacher_columns as synthetic_columns
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

@@ -157,14 +157,14 @@ def trainer_setup(tmp_path_factory):
     import pickle
 
     from tasks.bootstrap import build_model, build_tokenizer
-    from tests.integration.test_train_parallel import synthetic_teacher_columns
+    from tests.synthetic import synthetic_teacher_columns
 
     root = tmp_path_factory.mktemp("gpu_path")
     hf = root / "hf"
     tokenizer = build_tokenizer(hf)
     model = build_model(tokenizer, hidden=32, layers=2, heads=4, kv_heads=2, intermediate=64, max_positions=64, seed=1)
     model.save_pretrained(hf)
-    columns = synthetic_teacher_columns(len(tokenizer), rows=16, k=6, seed=0)
+    columns = synthetic_teacher_columns(len(tokenizer), rows=16, k=6, seed=0, prompt=(3, 7), response=(1, 5))
     path = root / "columns.pkl"
     path.write_bytes(pickle.dumps(columns))
     return root, hf, path, columns

@@ -9,36 +9,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
+from tests.synthetic import synthetic_teacher_columns
+
 REPO = Path(__file__).resolve().parents[2]
 WORKER = REPO / "tests" / "integration" / "_scripts" / "train_step_worker.py"
-
-
-def synthetic_teacher_columns(vocab: int, *, rows: int, k: int, seed: int) -> dict:
-    """Teacher-shard columns with valid log-probabilities: what the trainer reads from Parquet."""
-    rng = np.random.default_rng(seed)
-    cols: dict[str, list] = {name: [] for name in (
-        "sample_id", "prompt_ids", "response_ids", "topk_ids", "teacher_topk_logprobs",
-        "teacher_sampled_logprobs", "sampled_logprobs", "advantage", "sample_mask")}
-    for i in range(rows):
-        p, t = int(rng.integers(3, 7)), int(rng.integers(1, 5))
-        response = rng.integers(0, vocab, size=t)
-        logits = rng.normal(size=(t, vocab)) * 2
-        logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
-        top = np.argsort(-logp, axis=-1)[:, :k]
-        cols["sample_id"].append(i)
-        cols["prompt_ids"].append(rng.integers(0, vocab, size=p).tolist())
-        cols["response_ids"].append(response.tolist())
-        cols["topk_ids"].append(top.astype(np.int32))
-        cols["teacher_topk_logprobs"].append(np.take_along_axis(logp, top, -1).astype(np.float32))
-        cols["teacher_sampled_logprobs"].append(logp[np.arange(t), response].astype(np.float32))
-        cols["sampled_logprobs"].append((logp[np.arange(t), response] - 0.1).astype(np.float32))
-        cols["advantage"].append(float(rng.normal()))
-        cols["sample_mask"].append(bool(i % 3))
-    return cols
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +27,7 @@ def setup(tmp_path_factory):
     tokenizer = build_tokenizer(hf)
     model = build_model(tokenizer, hidden=32, layers=2, heads=4, kv_heads=2, intermediate=64, max_positions=64, seed=1)
     model.save_pretrained(hf)
-    columns = synthetic_teacher_columns(len(tokenizer), rows=16, k=6, seed=0)
+    columns = synthetic_teacher_columns(len(tokenizer), rows=16, k=6, seed=0, prompt=(3, 7), response=(1, 5))
     path = root / "columns.pkl"
     path.write_bytes(pickle.dumps(columns))
     return root, hf, path

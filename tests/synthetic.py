@@ -1,0 +1,29 @@
+"""Synthetic teacher-shard columns shared by the CPU and GPU training tests."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def synthetic_teacher_columns(vocab: int, *, rows: int, k: int, seed: int, prompt=(20, 60), response=(20, 100)) -> dict:
+    """Teacher-shard columns with valid log-probabilities, as the trainer reads them."""
+    rng = np.random.default_rng(seed)
+    names = ("sample_id", "prompt_ids", "response_ids", "topk_ids", "teacher_topk_logprobs",
+             "teacher_sampled_logprobs", "sampled_logprobs", "advantage", "sample_mask")
+    cols: dict[str, list] = {name: [] for name in names}
+    for i in range(rows):
+        p, t = int(rng.integers(*prompt)), int(rng.integers(*response))
+        response_ids = rng.integers(0, vocab, size=t)
+        logits = rng.normal(size=(t, vocab)) * 2
+        logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+        top = np.argsort(-logp, axis=-1)[:, :k]
+        cols["sample_id"].append(i)
+        cols["prompt_ids"].append(rng.integers(0, vocab, size=p).tolist())
+        cols["response_ids"].append(response_ids.tolist())
+        cols["topk_ids"].append(top.astype(np.int32))
+        cols["teacher_topk_logprobs"].append(np.take_along_axis(logp, top, -1).astype(np.float32))
+        cols["teacher_sampled_logprobs"].append(logp[np.arange(t), response_ids].astype(np.float32))
+        cols["sampled_logprobs"].append((logp[np.arange(t), response_ids] - 0.1).astype(np.float32))
+        cols["advantage"].append(float(rng.normal()))
+        cols["sample_mask"].append(bool(i % 3))
+    return cols
