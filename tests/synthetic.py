@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 
 
@@ -27,3 +29,23 @@ def synthetic_teacher_columns(vocab: int, *, rows: int, k: int, seed: int, promp
         cols["advantage"].append(float(rng.normal()))
         cols["sample_mask"].append(bool(i % 3))
     return cols
+
+
+def write_training_inputs(root: Path) -> tuple[Path, Path, dict]:
+    """A tiny from-scratch HF model in root/hf and 16 teacher-shard rows pickled to root/columns.pkl.
+
+    What the trainer tests feed to `tests/integration/_scripts/*_worker.py`: (hf dir, columns path,
+    columns).
+    """
+    import pickle
+
+    from tasks.bootstrap import build_model, build_tokenizer
+
+    hf = root / "hf"
+    tokenizer = build_tokenizer(hf)
+    model = build_model(tokenizer, hidden=32, layers=2, heads=4, kv_heads=2, intermediate=64, max_positions=64, seed=1)
+    model.save_pretrained(hf)
+    columns = synthetic_teacher_columns(len(tokenizer), rows=16, k=6, seed=0, prompt=(3, 7), response=(1, 5))
+    path = root / "columns.pkl"
+    path.write_bytes(pickle.dumps(columns))
+    return hf, path, columns

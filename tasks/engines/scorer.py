@@ -54,6 +54,38 @@ def pack_batches(lengths: list[int], *, batch_tokens: int) -> list[list[int]]:
     return batches
 
 
+def check_scoring_inputs(
+    sequences: list[tuple[list[int], list[int]]],
+    topk_ids: list[np.ndarray],
+    *,
+    logit_chunk_tokens: int,
+    vocab_size: int,
+) -> int:
+    """Validate a scoring request (shared by every teacher-scorer backend); returns K.
+
+    Each prompt must be non-empty (the first response token needs a prefix), each `topk_ids[i]`
+    must be [len(response_i), K] with one K for all sequences, and every id inside the vocabulary.
+    """
+    if len(sequences) != len(topk_ids):
+        raise ValueError(f"{len(sequences)} sequences but {len(topk_ids)} top-K id arrays")
+    if logit_chunk_tokens < 1:
+        raise ValueError(f"logit_chunk_tokens must be >= 1, got {logit_chunk_tokens}")
+    widths = {ids.shape[1] for ids in topk_ids if ids.ndim == 2}
+    for i, ((prompt, response), ids) in enumerate(zip(sequences, topk_ids, strict=True)):
+        if len(prompt) == 0:
+            raise ValueError(f"sequence {i}: the prompt is empty; the first response token needs a prefix")
+        if ids.ndim != 2 or ids.shape[0] != len(response):
+            raise ValueError(
+                f"sequence {i}: topk_ids has shape {ids.shape}, expected ({len(response)}, K) "
+                "(one row per response token)"
+            )
+        if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+            raise ValueError(f"sequence {i}: topk_ids outside [0, {vocab_size}): min {ids.min()}, max {ids.max()}")
+    if len(widths) > 1:
+        raise ValueError(f"top-K widths differ between sequences: {sorted(widths)}")
+    return widths.pop() if widths else 0
+
+
 @torch.no_grad()
 def score_teacher(
     model: Any,
@@ -77,26 +109,17 @@ def score_teacher(
 
     from sdpo_core.teacher_update import trust_region_logits
 
-    if len(sequences) != len(topk_ids):
-        raise ValueError(f"{len(sequences)} sequences but {len(topk_ids)} top-K id arrays")
     if (reference_model is None) != (trust_region_rate is None):
         raise ValueError(
             "reference_model and trust_region_rate go together; got "
             f"reference_model={'set' if reference_model is not None else None}, {trust_region_rate=}"
         )
-    if logit_chunk_tokens < 1:
-        raise ValueError(f"logit_chunk_tokens must be >= 1, got {logit_chunk_tokens}")
-    vocab_size = model.get_output_embeddings().weight.shape[0]
-    for i, ((prompt, response), ids) in enumerate(zip(sequences, topk_ids, strict=True)):
-        if len(prompt) == 0:
-            raise ValueError(f"sequence {i}: the prompt is empty; the first response token needs a prefix")
-        if ids.ndim != 2 or ids.shape[0] != len(response):
-            raise ValueError(
-                f"sequence {i}: topk_ids has shape {ids.shape}, expected ({len(response)}, K) "
-                "(one row per response token)"
-            )
-        if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
-            raise ValueError(f"sequence {i}: topk_ids outside [0, {vocab_size}): min {ids.min()}, max {ids.max()}")
+    check_scoring_inputs(
+        sequences,
+        topk_ids,
+        logit_chunk_tokens=logit_chunk_tokens,
+        vocab_size=model.get_output_embeddings().weight.shape[0],
+    )
 
     device = next(model.parameters()).device
     decoder, head = model.get_decoder(), model.get_output_embeddings()

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tasks.engines.scorer import TeacherScores
+from tasks.engines.scorer import TeacherScores, check_scoring_inputs
 
 __all__ = ["MegatronTeacherScorer", "score_teacher_megatron"]
 
@@ -103,27 +103,14 @@ class MegatronTeacherScorer:
         from tasks.megatron.packing import pack_sequences, plan_packs
         from tasks.megatron.vocab_parallel import vocab_parallel_token_logprobs
 
-        if len(sequences) != len(topk_ids):
-            raise ValueError(f"{len(sequences)} sequences but {len(topk_ids)} top-K id arrays")
         if (self.reference is None) != (trust_region_rate is None):
             raise ValueError(
                 f"trust_region_rate={trust_region_rate} needs a reference model and vice versa "
                 f"(reference {'loaded' if self.reference is not None else 'absent'})"
             )
-        if logit_chunk_tokens < 1:
-            raise ValueError(f"logit_chunk_tokens must be >= 1, got {logit_chunk_tokens}")
-        widths = {ids.shape[1] for ids in topk_ids if ids.ndim == 2}
-        for i, ((prompt, response), ids) in enumerate(zip(sequences, topk_ids, strict=True)):
-            if len(prompt) == 0:
-                raise ValueError(f"sequence {i}: the prompt is empty; the first response token needs a prefix")
-            if ids.ndim != 2 or ids.shape[0] != len(response):
-                raise ValueError(
-                    f"sequence {i}: topk_ids has shape {ids.shape}, expected ({len(response)}, K) "
-                    "(one row per response token)"
-                )
-        if len(widths) > 1:
-            raise ValueError(f"top-K widths differ between sequences: {sorted(widths)}")
-        k = widths.pop() if widths else 0
+        k = check_scoring_inputs(
+            sequences, topk_ids, logit_chunk_tokens=logit_chunk_tokens, vocab_size=self.vocab_size
+        )
         group = parallel_state.get_tensor_model_parallel_group()
 
         results: list[TeacherScores | None] = [None] * len(sequences)

@@ -154,19 +154,10 @@ GPU_PATH = {"attention": "sdpa", "packing": True, "pack_tokens": 24, "loss_chunk
 
 @pytest.fixture(scope="module")
 def trainer_setup(tmp_path_factory):
-    import pickle
-
-    from tasks.bootstrap import build_model, build_tokenizer
-    from tests.synthetic import synthetic_teacher_columns
+    from tests.synthetic import write_training_inputs
 
     root = tmp_path_factory.mktemp("gpu_path")
-    hf = root / "hf"
-    tokenizer = build_tokenizer(hf)
-    model = build_model(tokenizer, hidden=32, layers=2, heads=4, kv_heads=2, intermediate=64, max_positions=64, seed=1)
-    model.save_pretrained(hf)
-    columns = synthetic_teacher_columns(len(tokenizer), rows=16, k=6, seed=0, prompt=(3, 7), response=(1, 5))
-    path = root / "columns.pkl"
-    path.write_bytes(pickle.dumps(columns))
+    hf, path, columns = write_training_inputs(root)
     return root, hf, path, columns
 
 

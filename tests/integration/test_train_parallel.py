@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.synthetic import synthetic_teacher_columns
+from tests.synthetic import write_training_inputs
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = REPO / "tests" / "integration" / "_scripts" / "train_step_worker.py"
@@ -20,16 +20,8 @@ WORKER = REPO / "tests" / "integration" / "_scripts" / "train_step_worker.py"
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    from tasks.bootstrap import build_model, build_tokenizer
-
     root = tmp_path_factory.mktemp("train_parallel")
-    hf = root / "hf"
-    tokenizer = build_tokenizer(hf)
-    model = build_model(tokenizer, hidden=32, layers=2, heads=4, kv_heads=2, intermediate=64, max_positions=64, seed=1)
-    model.save_pretrained(hf)
-    columns = synthetic_teacher_columns(len(tokenizer), rows=16, k=6, seed=0, prompt=(3, 7), response=(1, 5))
-    path = root / "columns.pkl"
-    path.write_bytes(pickle.dumps(columns))
+    hf, path, _ = write_training_inputs(root)
     return root, hf, path
 
 
