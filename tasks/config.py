@@ -259,6 +259,11 @@ class TrainConfig(_Section):
     )
     loss_compile: bool = Field(False, description="torch.compile the chunked loss tiles (GPU)")
     recompute: bool = Field(False, description="recompute every layer's activations in the backward pass")
+    fused_kernels: bool = Field(
+        False,
+        description="GPU only: compiled RoPE and SwiGLU kernels, device-side gradient norm, fused AdamW "
+        "(tasks/megatron/fusions.py)",
+    )
 
     @model_validator(mode="after")
     def _packing_needs_sdpa(self) -> TrainConfig:

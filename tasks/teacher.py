@@ -123,6 +123,7 @@ def run_teacher(root: str, run_name: str, iteration: int) -> dict:
                 reference_dir=reference_dir,
                 trust_region_rate=rate,
                 seed=cfg.seed,
+                fused_kernels=cfg.train.fused_kernels,
             )
         else:
             model = AutoModelForCausalLM.from_pretrained(str(teacher_dir), dtype=torch.float32).eval()

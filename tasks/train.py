@@ -143,15 +143,19 @@ def micro_batches(cfg: RunConfig, columns: dict[str, Any], rows: list[int]) -> l
     return [make_packed_batch(columns, [rows[j] for j in pack]) for pack in packs]
 
 
-def mini_batch_denominators(cfg: RunConfig, full: Batch) -> tuple[Any, Any]:
-    """(SDPO, GRPO) loss normalisers of a whole mini-batch; GRPO counts every sample."""
+def mini_batch_denominators(cfg: RunConfig, columns: dict[str, Any], rows: list[int]) -> tuple[Any, Any]:
+    """(SDPO, GRPO) loss normalisers of a whole mini-batch; GRPO counts every sample. Only the
+    response lengths and sample masks are read (the masks `make_batch` would build)."""
     import torch
 
     from sdpo_core.losses import loss_denominator
 
+    lengths = torch.tensor([len(columns["response_ids"][i]) for i in rows])
+    response_mask = torch.arange(max(1, int(lengths.max()))) < lengths[:, None]  # [B, T]
+    sample_mask = torch.as_tensor(np.asarray([bool(columns["sample_mask"][i]) for i in rows]))
     kw = {"reduction": cfg.loss.mask_reduction, "aggregation": cfg.loss.aggregation}
-    sdpo = loss_denominator(full.response_mask, full.sample_mask, **kw)
-    grpo = loss_denominator(full.response_mask, torch.ones_like(full.sample_mask), **kw)
+    sdpo = loss_denominator(response_mask, sample_mask, **kw)
+    grpo = loss_denominator(response_mask, torch.ones_like(sample_mask), **kw)
     return sdpo, grpo
 
 
@@ -194,6 +198,7 @@ class MegatronTrainer:
             parallel_output=self.sharded_logits,
             attention=cfg.train.attention,
             recompute=cfg.train.recompute,
+            fused_kernels=cfg.train.fused_kernels,
         )
         if load_weights:
             load_hf_into_megatron(model, str(hf_dir))
@@ -232,6 +237,10 @@ class MegatronTrainer:
             ),
             [self.model],
         )
+        if self.cfg.train.fused_kernels:
+            from tasks.megatron.fusions import use_fused_adamw
+
+            use_fused_adamw(self.optimizer)
         total_steps = max(1, self.cfg.iterations * self.cfg.train.steps_per_iteration)
         self.scheduler = OptimizerParamScheduler(
             self.optimizer,
@@ -335,14 +344,18 @@ class MegatronTrainer:
         dp_rank = parallel_state.get_data_parallel_rank()
         dp_size = parallel_state.get_data_parallel_world_size()
         step_metrics: list[dict[str, float]] = []
-        for rows in minibatch_rows(n_rows, steps=cfg.train.steps_per_iteration, seed=cfg.seed, iteration=iteration):
-            local = rows[dp_rank::dp_size]
-            batches = micro_batches(cfg, columns, local)
+        plan = minibatch_rows(n_rows, steps=cfg.train.steps_per_iteration, seed=cfg.seed, iteration=iteration)
+
+        def host_inputs(rows: list[int]) -> tuple[list[Batch], tuple[Any, Any]]:
             # Every micro-batch divides by the whole mini-batch's normaliser, so the summed
-            # gradient equals that of the mini-batch loss; Megatron divides each micro-batch loss
-            # by their count and DDP averages over data-parallel ranks, both undone by `scale`.
-            full = make_batch(columns, rows)
-            denominators = mini_batch_denominators(cfg, full)
+            # gradient equals that of the mini-batch loss.
+            return micro_batches(cfg, columns, rows[dp_rank::dp_size]), mini_batch_denominators(cfg, columns, rows)
+
+        upcoming = host_inputs(plan[0])
+        for index in range(len(plan)):
+            batches, denominators = upcoming
+            # Megatron divides each micro-batch loss by their count and DDP averages over
+            # data-parallel ranks, both undone by `scale`.
             scale = float(len(batches) * dp_size)
             data = iter(batches)
             device = next(self.model.parameters()).device
@@ -363,6 +376,10 @@ class MegatronTrainer:
                 micro_batch_size=int(batches[0].tokens.shape[0]),
                 forward_only=False,
             )
+            if index + 1 < len(plan):
+                # The backward pass is queued on the device: build the next step's batches meanwhile,
+                # before the optimizer step waits for it (the gradient norm).
+                upcoming = host_inputs(plan[index + 1])
             update_ok, grad_norm, _ = self.optimizer.step()
             if not update_ok:
                 raise RuntimeError(f"optimizer step failed at iteration {iteration} (grad norm {grad_norm})")

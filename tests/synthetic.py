@@ -1,10 +1,28 @@
-"""Synthetic teacher-shard columns shared by the CPU and GPU training tests."""
+"""Synthetic teacher-shard columns and tiny model configs shared by the CPU and GPU tests."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import numpy as np
+
+
+def tiny_qwen3_config(vocab_size: int):
+    """A 2-layer Qwen3 HF config (hidden 32, 4/2 heads of 8, 128 positions, untied embeddings)."""
+    from transformers import Qwen3Config
+
+    return Qwen3Config(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+        architectures=["Qwen3ForCausalLM"],
+    )
 
 
 def synthetic_teacher_columns(vocab: int, *, rows: int, k: int, seed: int, prompt=(20, 60), response=(20, 100)) -> dict:

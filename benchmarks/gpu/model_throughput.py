@@ -3,7 +3,8 @@
 Training runs the real `tasks.train.MegatronTrainer.train_iteration` (SDPA attention, chunked and
 compiled top-K loss, Megatron DDP and optimizer step) on synthetic teacher columns: each step is
 `--samples` sequences of `--seq` tokens (prompt 1/8, response 7/8), top-K = `--k`. Variants:
-padded micro-batches, and the same samples packed into one row. MFU counts 6N + 6 L S d_q per
+padded micro-batches, and the same samples packed into one row; each with `train.fused_kernels`
+off and/or on (`--fused false true`; scoring uses the last). MFU counts 6N + 6 L S d_q per
 token against 989 TFLOP/s (N without the input embedding).
 
 Scoring runs `tasks.megatron.scorer.MegatronTeacherScorer.score` (packed rows, log-probs on K+1
@@ -57,7 +58,8 @@ def synthetic_columns(*, samples: int, seq: int, k: int, vocab: int, seed: int) 
     return cols
 
 
-def run_config(*, samples: int, micro_batch: int, train: dict) -> object:
+def run_config(*, samples: int, micro_batch: int, train: dict, steps: int = 1) -> object:
+    """One iteration of `samples` rows split into `steps` optimizer steps."""
     from tasks.config import build_config
 
     return build_config({
@@ -65,7 +67,7 @@ def run_config(*, samples: int, micro_batch: int, train: dict) -> object:
         "model": {"dtype": "bfloat16" if DEVICE == "cuda" else "float32"},  # Megatron's bf16 optimizer is CUDA-only
         "data": {"prompts_per_iteration": 1},
         "rollout": {"group_size": samples},
-        "train": {"steps_per_iteration": 1, "micro_batch_size": micro_batch, **train},
+        "train": {"steps_per_iteration": steps, "micro_batch_size": micro_batch, **train},
         "loss": {"type": "sdpo", "divergence": "topk_tail"},
         "optimizer": {"lr": 1e-6, "grad_clip": 1.0},
     })
@@ -77,39 +79,42 @@ def bench_train(shape: str, args: argparse.Namespace, workdir: Path) -> None:
     hf_config = qwen3_config(shape)
     hf_dir = workdir / shape
     hf_config.save_pretrained(hf_dir)
-    base = {"attention": "sdpa", "loss_chunk_tokens": 1024, "loss_compile": DEVICE == "cuda"}
-    cfg = run_config(samples=args.samples, micro_batch=args.micro_batch, train=base)
-    trainer = MegatronTrainer(cfg, hf_dir, load_weights=False)
-    columns = synthetic_columns(samples=args.samples, seq=args.seq, k=args.k, vocab=hf_config.vocab_size, seed=0)
-    per_token, n = flops_per_token(trainer.model.module, hf_config, seq_len=args.seq, training=True)
-    tokens = args.samples * args.seq
-    variants = {
-        "padded": base,
-        "packed": {**base, "packing": True, "pack_tokens": args.samples * args.seq},
-    }
-    for name, train in variants.items():
-        trainer.cfg = run_config(samples=args.samples, micro_batch=args.micro_batch, train=train)
-        losses = []
-        step = [0]
+    steps = args.steps_per_iteration
+    columns = synthetic_columns(samples=args.samples * steps, seq=args.seq, k=args.k, vocab=hf_config.vocab_size, seed=0)
+    tokens = args.samples * args.seq  # per optimizer step
+    for fused in args.fused:
+        base = {"attention": "sdpa", "loss_chunk_tokens": 1024, "loss_compile": DEVICE == "cuda", "fused_kernels": fused}
+        cfg = run_config(samples=args.samples * steps, micro_batch=args.micro_batch, train=base, steps=steps)
+        trainer = MegatronTrainer(cfg, hf_dir, load_weights=False)
+        per_token, n = flops_per_token(trainer.model.module, hf_config, seq_len=args.seq, training=True)
+        variants = {
+            "padded": base,
+            "packed": {**base, "packing": True, "pack_tokens": args.samples * args.seq},
+        }
+        for name, train in variants.items():
+            trainer.cfg = run_config(samples=args.samples * steps, micro_batch=args.micro_batch, train=train, steps=steps)
+            losses = []
+            step = [0]
 
-        def one() -> None:
-            step[0] += 1
-            losses.append(trainer.train_iteration(columns, iteration=step[0])["train/loss"])
+            def one() -> None:
+                step[0] += 1
+                losses.append(trainer.train_iteration(columns, iteration=step[0])["train/loss"])
 
-        reset_peak()
-        times = cuda_time(one, warmup=args.warmup, repeat=args.steps)
-        t = median(times)
-        emit({"bench": "train", "shape": shape, "variant": name, "tokens_per_step": tokens,
-              "micro_batch": args.micro_batch, "seq": args.seq, "k": args.k, "params_no_embedding": n,
-              "step_s_median": round(t, 4), "step_s_min": round(min(times), 4), "step_s_max": round(max(times), 4),
-              "tokens_per_s": round(tokens / t), "tflops": round(per_token * tokens / t / 1e12, 1),
-              "mfu": round(per_token * tokens / t / PEAK_BF16_FLOPS, 4),
-              "peak_gib": round(gib(peak()), 1),
-              "loss_first_last": [round(losses[0], 5), round(losses[-1], 5)]})
-    del trainer
-    gc.collect()
-    if DEVICE == "cuda":
-        torch.cuda.empty_cache()
+            reset_peak()
+            times = [x / steps for x in cuda_time(one, warmup=args.warmup, repeat=args.iterations)]
+            t = median(times)
+            emit({"bench": "train", "shape": shape, "variant": name, "fused_kernels": fused, "tokens_per_step": tokens,
+                  "steps_per_iteration": steps,
+                  "micro_batch": args.micro_batch, "seq": args.seq, "k": args.k, "params_no_embedding": n,
+                  "step_s_median": round(t, 4), "step_s_min": round(min(times), 4), "step_s_max": round(max(times), 4),
+                  "tokens_per_s": round(tokens / t), "tflops": round(per_token * tokens / t / 1e12, 1),
+                  "mfu": round(per_token * tokens / t / PEAK_BF16_FLOPS, 4),
+                  "peak_gib": round(gib(peak()), 1),
+                  "loss_first_last": [round(losses[0], 5), round(losses[-1], 5)]})
+        del trainer
+        gc.collect()
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
 
 
 def bench_score(shape: str, args: argparse.Namespace) -> None:
@@ -119,7 +124,10 @@ def bench_score(shape: str, args: argparse.Namespace) -> None:
 
     init_parallel(tensor_parallel=1, seed=0)
     hf_config = qwen3_config(shape)
-    model = build_gpt_model(hf_config, params_dtype=torch.bfloat16, parallel_output=True, attention="sdpa")
+    fused = args.fused[-1]
+    model = build_gpt_model(
+        hf_config, params_dtype=torch.bfloat16, parallel_output=True, attention="sdpa", fused_kernels=fused
+    )
     scorer = MegatronTeacherScorer(model, vocab_size=hf_config.vocab_size)
     rng = np.random.default_rng(1)
     prompt_len = args.seq // 4
@@ -145,7 +153,7 @@ def bench_score(shape: str, args: argparse.Namespace) -> None:
     for name, fn in (("forward_only_padded", forward), ("score_packed_topk", score)):
         times = cuda_time(fn, warmup=2, repeat=args.steps)
         t = median(times)
-        emit({"bench": "score", "shape": shape, "variant": name, "tokens": tokens, "seq": args.seq, "k": args.k,
+        emit({"bench": "score", "shape": shape, "variant": name, "fused_kernels": fused, "tokens": tokens, "seq": args.seq, "k": args.k,
               "s_median": round(t, 4), "tokens_per_s": round(tokens / t),
               "tflops": round(per_token * tokens / t / 1e12, 1), "mfu": round(per_token * tokens / t / PEAK_BF16_FLOPS, 4),
               "peak_gib": round(gib(peak()), 1)})
@@ -162,8 +170,13 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--k", type=int, default=100)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--warmup", type=int, default=2, help="untimed iterations (training)")
+    parser.add_argument("--iterations", type=int, default=4, help="timed iterations (training)")
+    parser.add_argument("--steps-per-iteration", type=int, default=4,
+                        help="optimizer steps of --samples x --seq tokens per timed train_iteration call")
+    parser.add_argument("--steps", type=int, default=6, help="timed calls (scoring)")
+    parser.add_argument("--fused", nargs="+", type=lambda v: v == "true", default=[DEVICE == "cuda"],
+                        help="train.fused_kernels settings to build and time, e.g. --fused false true (GPU only)")
     parser.add_argument("--skip-train", action="store_true")
     parser.add_argument("--skip-score", action="store_true")
     args = parser.parse_args()

@@ -8,7 +8,7 @@ by all three stages, as in the pipeline:
   question (the SDPO reprompt shape), with the Megatron scorer (`teacher.backend=megatron`) and,
   for comparison, the embedded HF scorer;
 - train: `MegatronTrainer.train_iteration` with the GPU path (SDPA, packing, chunked compiled
-  loss); the first iteration includes compilation, so a second one is timed too.
+  loss, fused kernels); the first iteration includes compilation, so a second one is timed too.
 
     python benchmarks/gpu/sdpo_iteration.py [--prompts 16 --group 4 --new-tokens 256]
 """
@@ -81,8 +81,9 @@ def main() -> None:
         topk = [g.topk_ids.astype(np.int64) for _, _, g in samples]
         teacher_tokens = sum(len(p) + len(r) for p, r in sequences)
 
-        scorer, load_s = timed(lambda: MegatronTeacherScorer.from_hf(hf_dir, dtype=torch.bfloat16))
-        scorer.score(sequences=sequences[:4], topk_ids=topk[:4], batch_tokens=16384)  # warm-up
+        fused = DEVICE == "cuda"
+        scorer, load_s = timed(lambda: MegatronTeacherScorer.from_hf(hf_dir, dtype=torch.bfloat16, fused_kernels=fused))
+        scorer.score(sequences=sequences, topk_ids=topk, batch_tokens=16384)  # warm-up (kernel compilation)
         mega, teacher_s = timed(lambda: scorer.score(sequences=sequences, topk_ids=topk, batch_tokens=16384))
         del scorer
         free()
@@ -113,7 +114,7 @@ def main() -> None:
                 "data": {"prompts_per_iteration": args.prompts},
                 "rollout": {"group_size": args.group, "top_k": args.k},
                 "train": {"steps_per_iteration": 1, "attention": "sdpa", "packing": True, "pack_tokens": 16384,
-                          "loss_chunk_tokens": 1024, "loss_compile": DEVICE == "cuda", **train},
+                          "loss_chunk_tokens": 1024, "loss_compile": fused, "fused_kernels": fused, **train},
                 "optimizer": {"lr": 1e-6},
             })
 
@@ -140,20 +141,15 @@ def main() -> None:
         del trainer
         free()
         if args.probe:
-            import tasks.megatron.attention as attention
-
             # Which GPU-path piece changes the step: each variant trains one step from the same weights.
-            default_backends = list(attention.PACKED_CUDA_BACKENDS)
-            cudnn_first = [attention.SDPBackend.CUDNN_ATTENTION, *default_backends]
             variants = {
-                "as_above": ({}, default_backends),
-                "packed_cudnn": ({}, cudnn_first),
-                "no_compile": ({"loss_compile": False}, default_backends),
-                "unchunked_loss": ({"loss_chunk_tokens": 0, "loss_compile": False}, default_backends),
-                "padded_mb16": ({"packing": False}, default_backends),
+                "as_above": {},
+                "no_fused_kernels": {"fused_kernels": False},
+                "no_compile": {"loss_compile": False},
+                "unchunked_loss": {"loss_chunk_tokens": 0, "loss_compile": False},
+                "padded_mb16": {"packing": False},
             }
-            for name, (train, backends) in variants.items():
-                attention.PACKED_CUDA_BACKENDS[:] = backends
+            for name, train in variants.items():
                 probe = MegatronTrainer(make_cfg(micro_batch_size=16, **train), hf_dir)
                 metrics, seconds = timed(lambda: probe.train_iteration(columns, iteration=1))
                 emit({"bench": "sdpo_iteration_probe", "variant": name, "train_s": round(seconds, 3),
@@ -161,8 +157,6 @@ def main() -> None:
                       "is_weight_mean": metrics.get("sdpo/is_weight_mean")})
                 del probe
                 free()
-            attention.PACKED_CUDA_BACKENDS[:] = default_backends
-
 
 if __name__ == "__main__":
     main()

@@ -15,15 +15,18 @@ Inputs and output follow `DotProductAttention`:
   broadcastable to [b, 1, s, s]) is used as given.
 - packed batches (`packed_seq_params.qkv_format == "thd"`): Megatron drops the batch axis, so q is
   [t, h, d] for all the samples of one micro-batch laid end to end, with their boundaries in
-  `cu_seqlens_q`. Attention must not cross those boundaries, so each sample is attended on its
-  own (causal within it); no [t, t] mask is built and the kernels stay fused ones (flash on a GPU:
-  see `PACKED_CUDA_BACKENDS`). Megatron's
-  rotary embedding restarts positions at every boundary in this format, so a packed forward equals
-  the per-sample forwards. Keep `cu_seqlens_q` on the CPU: the boundaries are read as Python ints.
+  `cu_seqlens_q`. Attention must not cross those boundaries: on a GPU one call of torch's
+  variable-length flash attention (`torch.nn.attention.varlen.varlen_attn`, torch >= 2.10) covers
+  the row, causal within each sample; on the CPU each sample is attended on its own with SDPA. No
+  [t, t] mask is built. Megatron's rotary embedding restarts positions at every boundary in this
+  format, so a packed forward equals the per-sample forwards. Keep `cu_seqlens_q` on the CPU: the
+  boundaries are read as Python ints.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 from typing import Any
 
@@ -37,7 +40,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-__all__ = ["SDPACoreAttention", "CUDA_BACKENDS", "PACKED_CUDA_BACKENDS"]
+__all__ = ["SDPACoreAttention", "CUDA_BACKENDS"]
 
 # Tried in this order on a GPU: cuDNN was ~1.9x faster than flash (FA2) on an H200 at 4 x 4096;
 # the memory-efficient kernel cannot take enable_gqa; math is the last resort.
@@ -47,16 +50,23 @@ CUDA_BACKENDS = [
     SDPBackend.EFFICIENT_ATTENTION,
     SDPBackend.MATH,
 ]
-# Packed rows attend one sample at a time on slices of the packed q/k/v. There cuDNN's backward
-# returned NaN, then wildly wrong (grad norm 3.6e6 instead of 5.4e-4), gradients (torch 2.11,
-# cuDNN 9.19, H200: 0.6B shape, 42 samples of 384 tokens per row) while flash, and cuDNN on the
-# same samples padded, agreed to 1e-4; so packed rows use flash first when gradients are on.
-# cuDNN's forward was right on the same rows, so forward-only scoring keeps it (~15% faster).
-PACKED_CUDA_BACKENDS = [
-    SDPBackend.FLASH_ATTENTION,
-    SDPBackend.EFFICIENT_ATTENTION,
-    SDPBackend.MATH,
-]
+# Packed rows on a GPU use varlen flash attention: on an H200 (1.7B attention shape, bf16) it took
+# 1.7 ms forward + backward for 42 samples of ~390 tokens, against 18-21 ms for a loop of per-sample
+# SDPA calls, and 4.1 ms for 4 samples of 4096 (cuDNN loop: 3.9 ms), with the same gradient
+# error as flash (benchmarks/gpu/packed_attention.py).
+
+
+@functools.cache
+def _varlen_kwargs() -> dict[str, Any]:
+    """Causal, grouped-query keyword arguments for this torch's `varlen_attn`: torch 2.10/2.11 take
+    K/V with fewer heads as they are, 2.12+ ask for `enable_gqa=True`."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    params = inspect.signature(varlen_attn).parameters
+    kwargs: dict[str, Any] = {"window_size": (-1, 0)}  # causal: no key after the query
+    if "enable_gqa" in params:
+        kwargs["enable_gqa"] = True
+    return kwargs
 
 
 class SDPACoreAttention(MegatronModule):
@@ -85,9 +95,7 @@ class SDPACoreAttention(MegatronModule):
         self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         self.scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
 
-    def _sdpa(
-        self, q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None, causal: bool, packed: bool = False
-    ) -> Tensor:
+    def _sdpa(self, q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None, causal: bool) -> Tensor:
         """[..., h, s, d] x [..., g, s, d] -> [..., h, s, d]."""
         kwargs = dict(
             attn_mask=mask,
@@ -97,8 +105,7 @@ class SDPACoreAttention(MegatronModule):
             enable_gqa=q.shape[-3] != k.shape[-3],
         )
         if q.is_cuda:
-            backends = PACKED_CUDA_BACKENDS if packed and torch.is_grad_enabled() else CUDA_BACKENDS
-            with sdpa_kernel(backends, set_priority=True):
+            with sdpa_kernel(CUDA_BACKENDS, set_priority=True):
                 return F.scaled_dot_product_attention(q, k, v, **kwargs)
         return F.scaled_dot_product_attention(q, k, v, **kwargs)
 
@@ -135,10 +142,26 @@ class SDPACoreAttention(MegatronModule):
         bounds = params.cu_seqlens_q.tolist()
         if bounds[0] != 0 or bounds[-1] != t or params.cu_seqlens_kv.tolist() != bounds:
             raise ValueError(f"cu_seqlens {bounds} do not cover the {t} packed tokens (or q and kv differ)")
+        if query.is_cuda:
+            return self._varlen(query, key, value, bounds, causal=causal)
         q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (query, key, value))  # [1, h|g, t, d]
         parts = [
-            self._sdpa(q[:, :, a:z], k[:, :, a:z], v[:, :, a:z], mask=None, causal=causal, packed=True)  # [1, h, n, d]
+            self._sdpa(q[:, :, a:z], k[:, :, a:z], v[:, :, a:z], mask=None, causal=causal)  # [1, h, n, d]
             for a, z in zip(bounds[:-1], bounds[1:], strict=True)
             if z > a
         ]
         return torch.cat(parts, dim=2)[0].transpose(0, 1).reshape(t, h * d)
+
+    def _varlen(self, query: Tensor, key: Tensor, value: Tensor, bounds: list[int], *, causal: bool) -> Tensor:
+        """One variable-length flash-attention call over the packed row [t, h|g, d] -> [t, h*d]."""
+        from torch.nn.attention.varlen import varlen_attn
+
+        if not causal:
+            raise NotImplementedError("packed rows are attended causally only")
+        if self.training and self.dropout > 0:
+            raise NotImplementedError("attention dropout is not supported on packed rows")
+        t, h, d = query.shape
+        cu = torch.tensor(bounds, dtype=torch.int32).to(query.device, non_blocking=True)
+        longest = max(z - a for a, z in zip(bounds[:-1], bounds[1:], strict=True))
+        out = varlen_attn(query, key, value, cu, cu, longest, longest, scale=self.scale, **_varlen_kwargs())
+        return out.reshape(t, h * d)

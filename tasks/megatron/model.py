@@ -80,14 +80,17 @@ def transformer_config_from_hf(
     params_dtype: torch.dtype = torch.float32,
     tensor_parallel: int = 1,
     recompute: bool = False,
+    fused_kernels: bool = False,
 ) -> TransformerConfig:
     """The Megatron `TransformerConfig` equivalent of a Llama/Qwen2/Qwen3 HF config.
 
     Dropout is 0 (RL post-training, and the CPU RNG caveat in compat). Fusions that need
-    Transformer Engine or Apex are off. The random init always runs, even when weights are
-    loaded next: with `perform_initialization=False` megatron-core (0.16.1) never marks the
-    parallel linear weights as tensor-parallel, and the optimizer's grad norm under TP>1 then
-    counts only rank 0's shards.
+    Transformer Engine or Apex are off; `fused_kernels=True` turns on Megatron's compiled SwiGLU
+    and residual add, the RoPE fusion and the weight-gradient accumulation fusion, whose kernels
+    `tasks.megatron.fusions` provides (call `enable_fused_kernels()` first). The random init
+    always runs, even when weights are loaded next: with `perform_initialization=False`
+    megatron-core (0.16.1) never marks the parallel linear weights as tensor-parallel, and the
+    optimizer's grad norm under TP>1 then counts only rank 0's shards.
     """
     from megatron.core.transformer import TransformerConfig
 
@@ -130,12 +133,12 @@ def transformer_config_from_hf(
         fp16=params_dtype == torch.float16,
         use_cpu_initialization=not torch.cuda.is_available(),
         perform_initialization=True,
-        gradient_accumulation_fusion=False,
+        gradient_accumulation_fusion=fused_kernels,
         masked_softmax_fusion=False,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
+        bias_activation_fusion=fused_kernels,
+        bias_dropout_fusion=fused_kernels,
         persist_layer_norm=False,
-        apply_rope_fusion=False,
+        apply_rope_fusion=fused_kernels,
         **recompute_settings,
     )
 
@@ -147,13 +150,16 @@ def build_gpt_model(
     parallel_output: bool = True,
     attention: str = "local",
     recompute: bool = False,
+    fused_kernels: bool = False,
 ) -> GPTModel:
     """A Megatron `GPTModel` (local spec) with the architecture of `hf_config`.
 
     Needs model parallelism initialised (`tasks.megatron.parallel.init_parallel`); the tensor-
     parallel size is read from it. Pipeline parallelism is not supported (one stage). The model
     is cast to `params_dtype` as a whole, because the local spec builds its RMSNorms in fp32 (and
-    on the CPU: with CUDA the whole model is moved to the current device).
+    on the CPU: with CUDA the whole model is moved to the current device). `fused_kernels=True`
+    installs `tasks.megatron.fusions` and builds the model with the fusions on (see
+    `transformer_config_from_hf`).
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
@@ -165,13 +171,32 @@ def build_gpt_model(
     if pipeline_parallel != 1:
         raise NotImplementedError(f"pipeline_parallel={pipeline_parallel}; only 1 is supported")
     tensor_parallel = parallel_state.get_tensor_model_parallel_world_size()
+    if fused_kernels:
+        if not torch.cuda.is_available():
+            raise ValueError("fused_kernels=True (train.fused_kernels) needs a CUDA device; set it to false on a CPU")
+        from tasks.megatron.fusions import enable_fused_kernels
+
+        enable_fused_kernels()
     config = transformer_config_from_hf(
         hf_config,
         params_dtype=params_dtype,
         tensor_parallel=tensor_parallel,
         recompute=recompute,
+        fused_kernels=fused_kernels,
     )
     spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm)
+    block_spec: Any = spec
+    if fused_kernels:
+        from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+        from tasks.megatron.fusions import CompiledRMSNorm
+
+        spec.submodules.input_layernorm = CompiledRMSNorm
+        spec.submodules.pre_mlp_layernorm = CompiledRMSNorm
+        if config.qk_layernorm:
+            spec.submodules.self_attention.submodules.q_layernorm = CompiledRMSNorm
+            spec.submodules.self_attention.submodules.k_layernorm = CompiledRMSNorm
+        block_spec = TransformerBlockSubmodules(layer_specs=[spec] * config.num_layers, layer_norm=CompiledRMSNorm)
     if attention == "sdpa":
         from tasks.megatron.attention import SDPACoreAttention
 
@@ -180,7 +205,7 @@ def build_gpt_model(
         raise ValueError(f"attention={attention!r}; expected 'local' or 'sdpa'")
     model = GPTModel(
         config,
-        spec,
+        block_spec,
         vocab_size=padded_vocab_size(hf_config.vocab_size, tensor_parallel=tensor_parallel),
         max_sequence_length=hf_config.max_position_embeddings,
         pre_process=True,
@@ -195,8 +220,12 @@ def build_gpt_model(
         # (WrappedTorchNorm) on the CPU: move the whole model to this rank's device.
         model.cuda(torch.cuda.current_device())
     model.to(dtype=params_dtype)
+    if fused_kernels:
+        from tasks.megatron.fusions import batch_first_logits
+
+        batch_first_logits(model)
     logger.info(
-        "built GPTModel for %s: %d layers, hidden %d, tp=%d, dtype=%s, attention=%s, recompute=%s",
+        "built GPTModel for %s: %d layers, hidden %d, tp=%d, dtype=%s, attention=%s, recompute=%s, fused=%s",
         hf_config.model_type,
         config.num_layers,
         config.hidden_size,
@@ -204,5 +233,6 @@ def build_gpt_model(
         params_dtype,
         attention,
         recompute,
+        fused_kernels,
     )
     return model

@@ -36,14 +36,16 @@ __all__ = ["MegatronTeacherScorer", "score_teacher_megatron"]
 logger = logging.getLogger(__name__)
 
 
-def _load(hf_dir: str | Path, *, dtype: torch.dtype) -> tuple[Any, Any]:
+def _load(hf_dir: str | Path, *, dtype: torch.dtype, fused_kernels: bool = False) -> tuple[Any, Any]:
     from transformers import AutoConfig
 
     from tasks.megatron.convert import load_hf_into_megatron
     from tasks.megatron.model import build_gpt_model
 
     hf_config = AutoConfig.from_pretrained(str(hf_dir))
-    model = build_gpt_model(hf_config, params_dtype=dtype, parallel_output=True, attention="sdpa")
+    model = build_gpt_model(
+        hf_config, params_dtype=dtype, parallel_output=True, attention="sdpa", fused_kernels=fused_kernels
+    )
     load_hf_into_megatron(model, str(hf_dir))
     return model.eval(), hf_config
 
@@ -71,15 +73,17 @@ class MegatronTeacherScorer:
         dtype: torch.dtype = torch.bfloat16,
         seed: int = 0,
         reference_dir: str | Path | None = None,
+        fused_kernels: bool = False,
     ) -> MegatronTeacherScorer:
-        """Initialise model parallelism and load the teacher (and reference) HF checkpoints."""
+        """Initialise model parallelism and load the teacher (and reference) HF checkpoints;
+        `fused_kernels` as in `tasks.megatron.model.build_gpt_model` (CUDA)."""
         from tasks.megatron.parallel import init_parallel
 
         init_parallel(tensor_parallel=tensor_parallel, seed=seed)
-        model, hf_config = _load(hf_dir, dtype=dtype)
+        model, hf_config = _load(hf_dir, dtype=dtype, fused_kernels=fused_kernels)
         reference = None
         if reference_dir is not None:
-            reference, ref_config = _load(reference_dir, dtype=dtype)
+            reference, ref_config = _load(reference_dir, dtype=dtype, fused_kernels=fused_kernels)
             if int(ref_config.vocab_size) != int(hf_config.vocab_size):
                 raise ValueError(f"reference vocab {ref_config.vocab_size} != teacher vocab {hf_config.vocab_size}")
         return cls(model, vocab_size=int(hf_config.vocab_size), reference=reference)
@@ -171,12 +175,18 @@ def score_teacher_megatron(
     reference_dir: str | Path | None = None,
     trust_region_rate: float | None = None,
     seed: int = 0,
+    fused_kernels: bool = False,
 ) -> list[TeacherScores]:
     """One-shot scoring for the teacher stage: bf16 on a GPU and float32 on the CPU unless `dtype`."""
     if dtype is None:
         dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
     scorer = MegatronTeacherScorer.from_hf(
-        teacher_dir, tensor_parallel=tensor_parallel, dtype=dtype, seed=seed, reference_dir=reference_dir
+        teacher_dir,
+        tensor_parallel=tensor_parallel,
+        dtype=dtype,
+        seed=seed,
+        reference_dir=reference_dir,
+        fused_kernels=fused_kernels,
     )
     return scorer.score(
         sequences=sequences, topk_ids=topk_ids, batch_tokens=batch_tokens, trust_region_rate=trust_region_rate

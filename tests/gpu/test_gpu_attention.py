@@ -19,8 +19,10 @@ def models(tiny_hf_dir):
     init_parallel(tensor_parallel=1, seed=0)
     config = AutoConfig.from_pretrained(tiny_hf_dir)
     out = []
-    for attention in ("local", "sdpa"):
-        model = build_gpt_model(config, params_dtype=torch.bfloat16, parallel_output=False, attention=attention)
+    for attention, fused in (("local", False), ("sdpa", False), ("sdpa", True)):
+        model = build_gpt_model(
+            config, params_dtype=torch.bfloat16, parallel_output=False, attention=attention, fused_kernels=fused
+        )
         load_hf_into_megatron(model, str(tiny_hf_dir))
         out.append(model.eval())
     return out
@@ -31,7 +33,7 @@ def close(a, b, tol=3e-2):
 
 
 def test_sdpa_equals_the_default_attention_in_bf16(models):
-    local, sdpa = models
+    local, sdpa, _ = models
     assert next(sdpa.parameters()).is_cuda
     tokens = torch.randint(0, 1024, (4, 512), device="cuda")
     positions = torch.arange(512, device="cuda").expand(4, 512)
@@ -44,7 +46,7 @@ def test_sdpa_equals_the_default_attention_in_bf16(models):
 def test_a_packed_forward_equals_per_sample_forwards_on_cuda(models):
     from tasks.megatron.packing import pack_sequences
 
-    _, sdpa = models
+    _, sdpa, _ = models
     gen = torch.Generator().manual_seed(0)
     lengths = [(37, 200), (5, 63), (120, 9), (64, 64)]
     prompts = [torch.randint(0, 1024, (p,), generator=gen).tolist() for p, _ in lengths]
@@ -64,7 +66,7 @@ def test_a_packed_forward_equals_per_sample_forwards_on_cuda(models):
 def test_packed_gradients_are_finite_and_equal_the_per_sample_gradients(models):
     from tasks.megatron.packing import pack_sequences
 
-    _, sdpa = models
+    _, sdpa, _ = models
     gen = torch.Generator().manual_seed(1)
     lengths = [(128, 256)] * 6 + [(37, 91), (5, 250)]
     prompts = [torch.randint(0, 1024, (p,), generator=gen).tolist() for p, _ in lengths]
@@ -82,3 +84,58 @@ def test_packed_gradients_are_finite_and_equal_the_per_sample_gradients(models):
         assert torch.isfinite(got[name]).all(), name
         assert close(got[name], param.grad.float(), tol=5e-2), name
     sdpa.zero_grad()
+
+
+def test_fused_kernels_give_the_logits_and_gradients_of_the_plain_model(models):
+    """Compiled RoPE (padded and packed rows), SwiGLU, residual add and RMSNorm, batch-first logits
+    and weight gradients accumulated into fp32 `main_grad` (as Megatron's DDP would hold them)
+    against Megatron's eager code."""
+    from tasks.megatron.packing import pack_sequences
+
+    _, sdpa, fused = models
+    assert fused.config.apply_rope_fusion and fused.config.bias_activation_fusion
+    assert fused.config.gradient_accumulation_fusion
+    gen = torch.Generator().manual_seed(2)
+    lengths = [(37, 200), (5, 63), (120, 9)]
+    prompts = [torch.randint(0, 1024, (p,), generator=gen).tolist() for p, _ in lengths]
+    responses = [torch.randint(0, 1024, (r,), generator=gen).tolist() for _, r in lengths]
+    packed = pack_sequences(prompts, responses, pad_to_multiple=64)
+    tokens = torch.randint(0, 1024, (2, 300), generator=gen).cuda()
+    positions = torch.arange(300, device="cuda").expand(2, 300)
+    results = []
+    for model in (sdpa, fused):
+        model.train()
+        model.zero_grad()
+        for p in model.parameters():
+            p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+        padded = model(tokens, positions, None)
+        rows = model(packed.tokens.cuda(), packed.position_ids.cuda(), None, packed_seq_params=packed.packed_seq_params())
+        (padded.float().logsumexp(-1).sum() + rows[0][packed.sample_ids.cuda() >= 0].float().logsumexp(-1).sum()).backward()
+        grads = {n: p.main_grad + (0 if p.grad is None else p.grad.float()) for n, p in model.named_parameters()}
+        results.append((padded.detach(), rows.detach(), grads))
+        model.zero_grad()
+        for p in model.parameters():
+            del p.main_grad
+        model.eval()
+    (want_pad, want_rows, want_grads), (got_pad, got_rows, got_grads) = results
+    assert got_pad.is_contiguous()
+    assert close(got_pad, want_pad, tol=2e-2)
+    assert close(got_rows, want_rows, tol=2e-2)
+    assert float(max(g.abs().max() for g in got_grads.values())) > 0
+    for name, grad in want_grads.items():
+        assert torch.isfinite(got_grads[name]).all(), name
+        assert close(got_grads[name], grad, tol=5e-2), name
+
+
+def test_wgrad_accumulation_adds_bf16_products_into_fp32_main_grad():
+    from tasks.megatron.fusions import wgrad_gemm_accum
+
+    gen = torch.Generator().manual_seed(3)
+    total_input = torch.randn(512, 256, generator=gen).cuda().bfloat16()
+    grad_output = torch.randn(512, 384, generator=gen).cuda().bfloat16()
+    main_grad = torch.randn(384, 256, generator=gen).cuda()
+    want = main_grad + 2 * (grad_output.t().float() @ total_input.float())
+    for _ in range(2):
+        wgrad_gemm_accum(total_input, grad_output, main_grad)
+    assert main_grad.dtype == torch.float32
+    torch.testing.assert_close(main_grad, want, rtol=1e-3, atol=1e-2)

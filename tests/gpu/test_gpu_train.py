@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 REPO = Path(__file__).resolve().parents[2]
 GPU_PATH = {
     "attention": "sdpa", "packing": True, "pack_tokens": 512, "loss_chunk_tokens": 256, "loss_compile": True,
-    "recompute": True,
+    "recompute": True, "fused_kernels": True,
 }
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 
@@ -128,3 +128,12 @@ def test_tensor_parallel_2_scores_equal_one_gpu(tiny_hf_dir, scoring_inputs, tmp
     one = one_gpu_scores
     two = score(tiny_hf_dir, inputs, tmp_path / "tp2.pkl", nproc=2)
     assert_scores_close(two, one, atol=0.1)
+
+
+def test_fused_kernel_scorer_equals_the_plain_scorer(tiny_hf_dir, scoring_inputs, one_gpu_scores):
+    from tasks.megatron.scorer import MegatronTeacherScorer
+
+    _, sequences, topk = scoring_inputs
+    scorer = MegatronTeacherScorer.from_hf(tiny_hf_dir, fused_kernels=True)
+    got = scorer.score(sequences=sequences, topk_ids=topk, batch_tokens=4096)
+    assert_scores_close([(s.topk_logprobs, s.sampled_logprobs) for s in got], one_gpu_scores, atol=0.05)

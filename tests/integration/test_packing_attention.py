@@ -12,20 +12,9 @@ VOCAB = 97
 
 @pytest.fixture(scope="module")
 def hf_config():
-    from transformers import Qwen3Config
+    from tests.synthetic import tiny_qwen3_config
 
-    return Qwen3Config(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=128,
-        tie_word_embeddings=False,
-        architectures=["Qwen3ForCausalLM"],
-    )
+    return tiny_qwen3_config(VOCAB)
 
 
 @pytest.fixture(scope="module")
