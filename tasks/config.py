@@ -261,8 +261,8 @@ class TrainConfig(_Section):
     recompute: bool = Field(False, description="recompute every layer's activations in the backward pass")
     fused_kernels: bool = Field(
         False,
-        description="GPU only: compiled RoPE and SwiGLU kernels, device-side gradient norm, fused AdamW "
-        "(tasks/megatron/fusions.py)",
+        description="GPU only: compiled RoPE / SwiGLU / RMSNorm / residual add, batch-first logits, fp32 "
+        "weight-gradient accumulation in the GEMM, device-side gradient norm, fused AdamW (tasks/megatron/fusions.py)",
     )
 
     @model_validator(mode="after")
