@@ -25,6 +25,22 @@ def tiny_qwen3_config(vocab_size: int):
     )
 
 
+def synthetic_scoring_inputs(
+    vocab: int, *, count: int, k: int, seed: int, prompt: tuple[int, int], response: tuple[int, int]
+) -> tuple[list[tuple[list[int], list[int]]], list[np.ndarray]]:
+    """Random (prompt_ids, response_ids) pairs with K distinct candidate ids per response token, as
+    the teacher scorers take them; lengths are drawn from the half-open ranges `prompt`, `response`."""
+    rng = np.random.default_rng(seed)
+    sequences, topk = [], []
+    for _ in range(count):
+        prompt_ids = rng.integers(0, vocab, size=int(rng.integers(*prompt))).tolist()
+        response_ids = rng.integers(0, vocab, size=int(rng.integers(*response))).tolist()
+        sequences.append((prompt_ids, response_ids))
+        rows = [rng.choice(vocab, size=k, replace=False) for _ in response_ids]
+        topk.append(np.stack(rows).astype(np.int64) if rows else np.zeros((0, k), dtype=np.int64))
+    return sequences, topk
+
+
 def synthetic_teacher_columns(vocab: int, *, rows: int, k: int, seed: int, prompt=(20, 60), response=(20, 100)) -> dict:
     """Teacher-shard columns with valid log-probabilities, as the trainer reads them."""
     rng = np.random.default_rng(seed)

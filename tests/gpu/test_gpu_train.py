@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from tests.gpu.conftest import VOCAB
+from tests.synthetic import synthetic_scoring_inputs
 from tests.synthetic import synthetic_teacher_columns as synthetic_columns
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -79,13 +80,7 @@ def test_tensor_parallel_2_step_equals_one_gpu(tiny_hf_dir, columns_file, tmp_pa
 
 @pytest.fixture(scope="module")
 def scoring_inputs(tmp_path_factory):
-    rng = np.random.default_rng(1)
-    sequences, topk = [], []
-    for _ in range(24):
-        prompt = rng.integers(0, VOCAB, size=int(rng.integers(10, 200))).tolist()
-        response = rng.integers(0, VOCAB, size=int(rng.integers(1, 300))).tolist()
-        sequences.append((prompt, response))
-        topk.append(np.stack([rng.choice(VOCAB, size=16, replace=False) for _ in response]).astype(np.int64))
+    sequences, topk = synthetic_scoring_inputs(VOCAB, count=24, k=16, seed=1, prompt=(10, 200), response=(1, 300))
     path = tmp_path_factory.mktemp("score") / "inputs.pkl"
     path.write_bytes(pickle.dumps({"sequences": sequences, "topk_ids": topk}))
     return path, sequences, topk

@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 import torch
 
+from tests.synthetic import synthetic_scoring_inputs
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -26,13 +28,7 @@ def setup(tmp_path_factory):
         tokenizer = build_tokenizer(dirs[name])
         build_model(tokenizer, hidden=32, layers=2, heads=4, kv_heads=2, intermediate=64, max_positions=64, seed=seed).save_pretrained(dirs[name])
     vocab = len(tokenizer)
-    rng = np.random.default_rng(0)
-    sequences, topk = [], []
-    for _ in range(9):
-        prompt = rng.integers(0, vocab, size=int(rng.integers(1, 8))).tolist()
-        response = rng.integers(0, vocab, size=int(rng.integers(0, 9))).tolist()
-        sequences.append((prompt, response))
-        topk.append(np.stack([rng.choice(vocab, size=5, replace=False) for _ in response]).astype(np.int64) if response else np.zeros((0, 5), dtype=np.int64))
+    sequences, topk = synthetic_scoring_inputs(vocab, count=9, k=5, seed=0, prompt=(1, 8), response=(0, 9))
     inputs = root / "inputs.pkl"
     inputs.write_bytes(pickle.dumps({"sequences": sequences, "topk_ids": topk}))
     return root, dirs, sequences, topk, inputs
