@@ -15,13 +15,13 @@ import logging
 import os
 import shutil
 import time
-import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from storage.errors import AlreadyCommittedError, ChecksumMismatchError, NotCommittedError
+from storage.faults import crash_point
 from storage.layout import CHECKPOINT_KINDS, MANIFEST_NAME, RunLayout, parse_iteration_name
 from storage.manifest import (
     Manifest,
@@ -34,6 +34,7 @@ from storage.manifest import (
     write_manifest,
 )
 from storage.objects import sha256_local_file
+from storage.scratch import owner_tag
 from storage.urls import join
 
 logger = logging.getLogger(__name__)
@@ -111,6 +112,7 @@ def upload_checkpoint(
         url = join(layout.checkpoint_files_dir(n, kind), name)
         digest = sha256_local_file(path)
         layout.store.put_local_file(path, url)
+        crash_point(f"checkpoint.uploading:{kind}", n)
         entries.append({"name": name, "path": layout.relative(url), "bytes": path.stat().st_size, "sha256": digest})
     data = {
         **base_fields(layout, "checkpoint"),
@@ -124,9 +126,26 @@ def upload_checkpoint(
         "timings": {"upload_s": round(time.monotonic() - started, 3)},
     }
     manifest = write_manifest(layout, layout.checkpoint_manifest(n, kind), data)
+    crash_point(f"checkpoint.committed:{kind}", n)
     logger.info("uploaded checkpoint %s of iteration %d: %d files, %d bytes (%s)",
                 kind, n, len(entries), data["bytes"], manifest.sha256[:12])
     return manifest
+
+
+def discard_checkpoint(layout: RunLayout, n: int, kind: str) -> bool:
+    """Remove checkpoint `kind` of iteration n, manifest first (a kill in between leaves a partial
+    upload, which the next upload clears). Only for outputs of a stage that did not commit: the
+    train stage discards the checkpoints a killed attempt wrote before its own manifest. Returns
+    whether anything was there."""
+    manifest_url = layout.checkpoint_manifest(n, kind)
+    files = layout.store.list_files(layout.checkpoint_dir(n, kind))
+    if not files:
+        return False
+    layout.store.remove_file(manifest_url)
+    layout.store.remove_tree(layout.checkpoint_dir(n, kind))
+    logger.warning("discarded checkpoint %s of iteration %d (%d file(s)) written by an attempt that did not commit",
+                   kind, n, len(files))
+    return True
 
 
 def resolve_checkpoint(layout: RunLayout, ref: str | int, kind: str = "policy") -> Manifest:
@@ -172,7 +191,7 @@ def download_checkpoint(
             return target
         logger.warning("cached checkpoint %s is damaged (%s); downloading again", target, problem)
         shutil.rmtree(target)
-    tmp = cache / f".{manifest.sha256}.tmp-{uuid.uuid4().hex}"
+    tmp = cache / f".{manifest.sha256}.tmp{owner_tag()}"
     try:
         for entry in manifest.data["files"]:
             url = layout.url(entry["path"])
@@ -201,7 +220,8 @@ class LineageRecord:
     parent: str | None  # "iter-2/policy@<digest12>", an external reference, or None
     parent_ok: bool | None  # the parent manifest still has the recorded digest; None when nothing to check
     trained_on: tuple[str, ...]  # "iter-3/teacher@<digest12>"
-    committed: bool  # iteration n is committed and its manifest names this checkpoint
+    trained_on_ok: bool | None  # every training-data manifest still has its recorded digest; None if none
+    committed: bool  # iteration n is committed and its manifest names this checkpoint (n=0: the base model)
     bytes: int
     created_at: str
 
@@ -211,8 +231,19 @@ def _describe(ref: Mapping[str, str]) -> str:
     return f"{path}@{ref['sha256'][:12]}"
 
 
+def _ref_ok(layout: RunLayout, ref: Mapping[str, str]) -> bool:
+    """Whether the manifest `ref` names still exists with the digest recorded in `ref`."""
+    url = layout.url(ref["path"])
+    return layout.store.exists(url) and read_manifest(layout, url).sha256 == ref["sha256"]
+
+
 def lineage(layout: RunLayout) -> list[LineageRecord]:
-    """Every committed checkpoint of the run, oldest first, with its parent and training data."""
+    """Every committed checkpoint of the run, oldest first, with its parent and training data.
+
+    Each digest a checkpoint records (its parent's and its training data's) is checked against the
+    manifest it names. Checkpoints of iteration 0 (the base model) have no iteration commit: their
+    own manifest commits them.
+    """
     records = []
     for n in layout.checkpoint_iterations():
         committed = iteration_committed(layout, n)
@@ -228,8 +259,8 @@ def lineage(layout: RunLayout) -> list[LineageRecord]:
                 parent_text = parent["external"]
             elif parent is not None:
                 parent_text = _describe(parent)
-                url = layout.url(parent["path"])
-                parent_ok = layout.store.exists(url) and read_manifest(layout, url).sha256 == parent["sha256"]
+                parent_ok = _ref_ok(layout, parent)
+            trained_on = manifest.data["trained_on"]
             records.append(
                 LineageRecord(
                     iteration=n,
@@ -237,8 +268,9 @@ def lineage(layout: RunLayout) -> list[LineageRecord]:
                     sha256=manifest.sha256,
                     parent=parent_text,
                     parent_ok=parent_ok,
-                    trained_on=tuple(_describe(r) for r in manifest.data["trained_on"]),
-                    committed=kind in committed_refs and committed_refs[kind]["sha256"] == manifest.sha256,
+                    trained_on=tuple(_describe(r) for r in trained_on),
+                    trained_on_ok=all(_ref_ok(layout, r) for r in trained_on) if trained_on else None,
+                    committed=n == 0 or (kind in committed_refs and committed_refs[kind]["sha256"] == manifest.sha256),
                     bytes=manifest.data["bytes"],
                     created_at=manifest.data["created_at"],
                 )
@@ -257,7 +289,7 @@ def _size(n: int) -> str:
 
 def format_lineage(records: Sequence[LineageRecord], *, title: str | None = None) -> str:
     """A table of `lineage(...)` for `sdpo lineage <run>`."""
-    header = ("iter", "kind", "checkpoint", "parent", "parent ok", "trained on", "committed", "size", "created")
+    header = ("iter", "kind", "checkpoint", "parent", "parent ok", "trained on", "data ok", "committed", "size", "created")
     rows = [
         (
             str(r.iteration),
@@ -266,6 +298,7 @@ def format_lineage(records: Sequence[LineageRecord], *, title: str | None = None
             r.parent or "-",
             {True: "yes", False: "NO", None: "-"}[r.parent_ok],
             ", ".join(r.trained_on) or "-",
+            {True: "yes", False: "NO", None: "-"}[r.trained_on_ok],
             "yes" if r.committed else "no",
             _size(r.bytes),
             r.created_at,

@@ -146,7 +146,7 @@ class RunLock:
         if not self.force:
             raise LockHeldError(
                 f"run {self.layout.run_name!r} is locked by {current.describe()}, which looks stale ({reason}); "
-                "pass force=True to take it over"
+                "take it over with force=True (the CLI: sdpo run --force-unlock)"
             )
         try:
             store.replace_if_tag(url, payload, tag)

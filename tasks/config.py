@@ -245,7 +245,11 @@ class TrainConfig(_Section):
     micro_batch_size: int = Field(16, ge=1)
     tensor_parallel: int = Field(1, ge=1)
     megatron_checkpoint_every: int = Field(
-        1, ge=1, description="save the resumable Megatron checkpoint every N iterations (and the last)"
+        1,
+        ge=1,
+        description="save the full training state (Megatron checkpoint: weights, Adam, schedule) every N "
+        "iterations and at the last; a resume in between replays the iterations since the last one from "
+        "their stored teacher shards, so it stays exact",
     )
     attention: Literal["local", "sdpa"] = Field(
         "local", description="core attention: Megatron's unfused local one, or torch SDPA (cuDNN/flash on GPU)"

@@ -37,6 +37,26 @@ def open_run(root: str, run: str) -> Run:
     return Run(layout=layout, cfg=cfg)
 
 
+def run_layout(cfg: RunConfig) -> RunLayout:
+    """The layout of the run `cfg` describes, its storage options registered for this process."""
+    from storage.urls import register_options
+
+    register_options(cfg.storage.root, cfg.storage.storage_options)
+    return RunLayout(cfg.storage.root, cfg.name)
+
+
+def start_run(cfg: RunConfig, layout: RunLayout, *, allow_config_change: bool = False) -> Run:
+    """Create or open the run (refusing a changed config unless allowed), and sweep what crashed
+    processes left behind (temporary files of the store and the cache). Call it holding the run lock."""
+    from storage.layout import create_or_open_run
+    from storage.scratch import sweep_local
+    from tasks.config import to_dict
+
+    create_or_open_run(layout, to_dict(cfg), allow_config_change=allow_config_change)
+    sweep_local(cfg.storage.cache_dir, layout.local_dir)
+    return open_run(cfg.storage.root, cfg.name)
+
+
 def checkpoint_dir(run: Run, iteration: int, kind: str) -> Path:
     """A verified local copy of checkpoint `kind` ('policy' / 'teacher') written by `iteration`.
 

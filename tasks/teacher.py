@@ -76,6 +76,9 @@ def run_teacher(root: str, run_name: str, iteration: int) -> dict:
     if stage_done(run.layout, iteration, "teacher"):
         logger.info("iteration %d teacher stage already committed; reusing it", iteration)
         return read_stage_manifest(run.layout, iteration, "teacher")
+    from storage.faults import crash_point
+
+    crash_point("stage.start:teacher", iteration)
 
     started = time.perf_counter()
     parent = read_stage_manifest(run.layout, iteration, "rollout")

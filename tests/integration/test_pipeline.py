@@ -12,46 +12,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import yaml
+
+from tests.integration.runs import write_config
 
 REPO = Path(__file__).resolve().parents[2]
-
-TINY = {
-    "seed": 3,
-    "iterations": 2,
-    "model": {
-        "bootstrap": {
-            "hidden_size": 32,
-            "num_layers": 2,
-            "num_heads": 4,
-            "num_kv_heads": 2,
-            "intermediate_size": 64,
-            "max_positions": 128,
-            "warmup_steps": 4,
-            "warmup_batch_size": 8,
-        }
-    },
-    "data": {"max_operand": 20, "prompts_per_iteration": 4, "eval_prompts": 6},
-    "rollout": {"group_size": 4, "max_new_tokens": 4, "top_k": 8},
-    "train": {"steps_per_iteration": 2, "micro_batch_size": 3},
-    "optimizer": {"lr": 1.0e-3},
-    "eval": {"every": 1, "sampled_n": 2},
-}
-
-
-def write_config(tmp_path: Path, name: str, root: str | None = None, **sections) -> Path:
-    tree = json.loads(json.dumps(TINY))
-    tree["name"] = name
-    tree["storage"] = {"root": root or str(tmp_path / "runs"), "cache_dir": str(tmp_path / "cache")}
-    tree["tracking"] = {"uri": f"sqlite:///{tmp_path / 'mlflow.db'}"}
-    for section, values in sections.items():
-        if isinstance(values, dict):
-            tree.setdefault(section, {}).update(values)
-        else:
-            tree[section] = values
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(tree))
-    return path
 
 
 def test_two_iterations_commit_shards_checkpoints_and_metrics(tmp_path, prefect_server):
