@@ -62,6 +62,8 @@ def prefect_local_mode(run_name: str):
         yield
         return
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    # The ephemeral server's default 20 s start-up limit is missed on a loaded 2-core machine.
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
     if "PREFECT_HOME" not in os.environ:
         home = Path(".sdpo", "prefect", run_name).resolve()
         home.mkdir(parents=True, exist_ok=True)
@@ -84,8 +86,8 @@ def run(
     allow_config_change: Annotated[
         bool, typer.Option(help="continue an existing run under a changed config (the change is recorded)")
     ] = False,
-    force_unlock: Annotated[bool, typer.Option(help="take over a stale run lock")] = False,
-    verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
+    force_unlock: Annotated[bool, typer.Option(help="take over a run lock whose lease expired")] = False,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="every stage's log lines")] = False,
 ) -> None:
     """Create or resume a run and iterate it to the configured number of iterations."""
     from rich.console import Console
@@ -109,6 +111,34 @@ def run(
     console.print(f"  mlflow ui --backend-store-uri {uri} --host 127.0.0.1 --port 5000")
     console.print(f"  sdpo lineage {cfg.name} --root {cfg.storage.root}")
     console.print(f"  sdpo status {cfg.name} --root {cfg.storage.root}")
+
+
+@app.command()
+def advance(
+    config: ConfigArg,
+    overrides: OverridesArg = None,
+    allow_config_change: Annotated[
+        bool, typer.Option(help="continue an existing run under a changed config (the change is recorded)")
+    ] = False,
+    force_unlock: Annotated[bool, typer.Option(help="take over a run lock whose lease expired")] = False,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="every stage's log lines")] = False,
+) -> None:
+    """Advance a run by one iteration (creating it if needed), as a scheduled deployment does."""
+    from tasks.config import ConfigError, load_config
+
+    _setup_logging(verbose)
+    try:
+        cfg = load_config(config, overrides or [])
+    except ConfigError as err:
+        _fail(str(err))
+    from flows.iteration import sdpo_advance
+
+    with prefect_local_mode(cfg.name):
+        result = sdpo_advance(str(config), list(overrides or []), allow_config_change, force_unlock)
+    if result is None:
+        typer.echo(f"run {cfg.name} is complete ({cfg.iterations} iterations): nothing to do")
+    else:
+        typer.echo(f"run {cfg.name}: committed {result['path']}")
 
 
 @app.command()
@@ -142,16 +172,68 @@ def status(
     run_name: Annotated[str, typer.Argument(help="run name")],
     root: Annotated[str, typer.Option(help="run root (path or URL)")] = "runs",
 ) -> None:
-    """Print which iterations and stages of a run are committed."""
-    from storage.layout import RunLayout
-    from storage.manifest import read_latest, stage_done
+    """Print where a run stands: LATEST (its digest checked), the target, the lock holder, the next
+    iteration's committed stages."""
+    from storage.errors import StorageError
+    from storage.layout import RunLayout, read_run
+    from storage.lock import read_lock_holder
+    from storage.manifest import stage_done, verify_latest
 
     layout = RunLayout(root, run_name)
-    latest = read_latest(layout) or 0
-    typer.echo(f"run {layout.run_url}: LATEST = {latest}")
+    if not layout.store.exists(layout.run_json):
+        _fail(f"no run {run_name!r} under {layout.root_url} (no {layout.run_json})")
+    target = int(read_run(layout)["config"]["iterations"])
+    try:
+        latest = verify_latest(layout) or 0
+    except StorageError as err:
+        _fail(f"run {layout.run_url}: LATEST does not check out: {err}")
+    holder = read_lock_holder(layout)
+    typer.echo(f"run {layout.run_url}: LATEST = {latest} of {target} iterations (digest verified)")
+    if holder is None:
+        typer.echo("lock: free")
+    else:
+        stale = holder.stale_reason()
+        typer.echo(f"lock: held by {holder.describe()}" + (f" (stale: {stale})" if stale else ""))
+    if latest >= target:
+        typer.echo("complete")
+        return
     n = latest + 1
     done = [stage for stage in ("rollout", "teacher", "train") if stage_done(layout, n, stage)]
     typer.echo(f"iteration {n}: committed stages: {', '.join(done) or 'none'}")
+
+
+@app.command()
+def verify(
+    run_name: Annotated[str, typer.Argument(help="run name")],
+    root: Annotated[str, typer.Option(help="run root (path or URL)")] = "runs",
+) -> None:
+    """Re-hash every committed shard, checkpoint file and manifest of a run against the manifests
+    (and LATEST against its iteration manifest); exits 1 when anything is damaged or missing."""
+    from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
+
+    from storage.layout import RunLayout
+    from storage.verify import committed_bytes, verify_run
+
+    layout = RunLayout(root, run_name)
+    columns = ("{task.description}", BarColumn(), DownloadColumn(), TimeRemainingColumn())
+    with Progress(*columns, transient=True) as bar:
+        task = bar.add_task(f"verifying {run_name}", total=committed_bytes(layout))
+        report = verify_run(layout, progress=lambda n: bar.advance(task, n))
+    typer.echo(
+        f"run {layout.run_url}: {report.manifests} manifests, {report.files} files, "
+        f"{report.bytes / 2**20:.1f} MiB checked"
+    )
+    if report.uncommitted:
+        typer.echo(f"{len(report.uncommitted)} folder(s) without a manifest (an interrupted attempt; not part of the run):")
+        for folder in report.uncommitted:
+            typer.echo(f"  {folder}")
+    if report.ok:
+        typer.echo("OK: everything committed matches its manifests")
+        return
+    typer.secho(f"{len(report.problems)} problem(s):", fg=typer.colors.RED, err=True)
+    for url, what in report.problems:
+        typer.secho(f"  {url}: {what}", fg=typer.colors.RED, err=True)
+    raise typer.Exit(1)
 
 
 @app.command("eval")

@@ -56,11 +56,12 @@ def sha256_local_file(path: str | os.PathLike[str]) -> str:
 class HashingSink(io.RawIOBase):
     """Write-through file object that counts bytes and hashes them as they pass (no re-read)."""
 
-    def __init__(self, inner: IO[bytes]) -> None:
+    def __init__(self, inner: IO[bytes], *, url: str) -> None:
         super().__init__()
         self._inner = inner
         self._digest = hashlib.sha256()
         self.bytes_written = 0
+        self.url = url  # named by the errors of writes (a full disk)
 
     def writable(self) -> bool:
         return True
@@ -68,7 +69,10 @@ class HashingSink(io.RawIOBase):
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
         self._digest.update(view)
-        self._inner.write(view)
+        try:
+            self._inner.write(view)
+        except OSError as exc:
+            raise StorageIOError(self.url, "write", exc) from exc
         self.bytes_written += view.nbytes
         return view.nbytes
 
@@ -76,13 +80,21 @@ class HashingSink(io.RawIOBase):
         return self.bytes_written
 
     def flush(self) -> None:
-        self._inner.flush()
+        try:
+            self._inner.flush()
+        except OSError as exc:
+            raise StorageIOError(self.url, "write", exc) from exc
 
     def close(self) -> None:
         if self.closed:
             return
-        super().close()  # flushes through to the inner file first
-        self._inner.close()
+        try:
+            super().close()  # flushes through to the inner file first
+            self._inner.close()
+        except StorageIOError:
+            raise
+        except OSError as exc:
+            raise StorageIOError(self.url, "write", exc) from exc
 
     def hexdigest(self) -> str:
         return self._digest.hexdigest()

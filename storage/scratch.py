@@ -103,6 +103,6 @@ def scratch_dir(cache_dir: str | os.PathLike[str], prefix: str) -> Iterator[Path
         shutil.rmtree(path, ignore_errors=True)
 
 
-def spool_file(prefix: str, suffix: str = "") -> tuple[int, str]:
-    """`mkstemp` in the system temp folder under a sweepable name: (fd, path)."""
-    return tempfile.mkstemp(prefix=f"sdpo-{prefix}{owner_tag()}+", suffix=suffix)
+def spool_file(prefix: str, suffix: str = "", *, folder: str | None = None) -> tuple[int, str]:
+    """`mkstemp` under a sweepable name, in `folder` or the system temp folder: (fd, path)."""
+    return tempfile.mkstemp(prefix=f"sdpo-{prefix}{owner_tag()}+", suffix=suffix, dir=folder)

@@ -78,6 +78,26 @@ def test_rerunning_a_finished_run_changes_nothing_and_a_changed_config_is_refuse
     assert read_iteration_manifest(layout, 1).sha256 == digest
 
 
+def test_an_accepted_config_change_is_tagged_on_the_mlflow_run_once(tmp_path, prefect_server):
+    from mlflow.tracking import MlflowClient
+
+    from flows.run import sdpo_run
+
+    config = write_config(tmp_path, "changed")
+    sdpo_run(str(config), ["iterations=1"])
+    sdpo_run(str(config), ["iterations=2", "optimizer.lr=0.002"], allow_config_change=True)
+    sdpo_run(str(config), ["iterations=2", "optimizer.lr=0.002"])  # same config again: nothing new
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("sdpo").experiment_id])
+    tags = run.data.tags
+    assert tags["sdpo.config_changes"] == "1" and "sdpo.config_change.2" not in tags
+    assert "iterations: 1 -> 2" in tags["sdpo.config_change.1"]
+    assert "optimizer.lr: 0.001 -> 0.002" in tags["sdpo.config_change.1"]
+    assert run.data.params["optimizer.lr"] == "0.001"  # MLflow params are immutable: the tag says what changed
+    steps = [m.step for m in client.get_metric_history(run.info.run_id, "tracking/step")]
+    assert steps == [0, 1, 2]
+
+
 def test_grpo_baseline_runs_on_the_same_machinery(tmp_path, prefect_server):
     from flows.run import sdpo_run
 
