@@ -5,8 +5,9 @@ with the store's exclusive create (file: tmp + link(); s3: PUT If-None-Match: *;
 process lock), so of two writers exactly one succeeds. A lock is stale when its lease expired or,
 on the same host, its process is gone. The lock of a process of this host that is gone is taken
 over at once (that holder is certainly dead: a killed run resumes by running the same command
-again); a lock whose lease expired only with `force=True`, since its holder on another host may be
-alive but late to renew. Both take-overs are a compare-and-swap on the lock's content (s3: PUT If-Match: <etag>; file: flock + compare + rename).
+again), and so is an expired lease whose holder recorded a heartbeat (`heartbeat_seconds`): it
+renewed the lease while alive, so an expired lease means it is gone. Any other expired lease is
+taken over only with `force=True`, since its holder on another host may be alive but late to renew. Both take-overs are a compare-and-swap on the lock's content (s3: PUT If-Match: <etag>; file: flock + compare + rename).
 Renewal and release are compare-and-swaps too, so a writer whose lock was taken over finds out.
 Lease expiry compares wall clocks: hosts sharing a run need roughly synchronised clocks.
 """
@@ -35,6 +36,7 @@ class LockHolder:
     created_at: str
     expires_at: str
     token: str
+    heartbeat_seconds: float | None = None  # renewed this often while alive; None: renewed by hand
 
     def describe(self) -> str:
         return f"host={self.host} pid={self.pid} created_at={self.created_at} lease expires {self.expires_at}"
@@ -104,6 +106,7 @@ class RunLock:
             created_at=created_at,
             expires_at=expires.isoformat(timespec="milliseconds"),
             token=token,
+            heartbeat_seconds=self.heartbeat_seconds,
         )
         return holder, json.dumps(asdict(holder), sort_keys=True).encode()
 
@@ -146,7 +149,8 @@ class RunLock:
         if reason is None:
             raise LockHeldError(f"run {self.layout.run_name!r} is locked by {current.describe()}")
         dead = current.host == socket.gethostname() and not _pid_alive(current.pid)
-        if not (self.force or dead):
+        silent = current.heartbeat_seconds is not None  # stale with a heartbeat: it stopped beating
+        if not (self.force or dead or silent):
             raise LockHeldError(
                 f"run {self.layout.run_name!r} is locked by {current.describe()}, which looks stale ({reason}); "
                 "take it over with force=True (the CLI: sdpo run --force-unlock)"

@@ -1,4 +1,4 @@
-"""Run lock: exclusive, fails fast naming the holder, a dead local holder's lock taken over, an expired lease only with force, lease renewal."""
+"""Run lock: exclusive, fails fast naming the holder, a dead local holder's lock taken over, an expired lease without force only when its holder heartbeated, lease renewal."""
 
 from __future__ import annotations
 
@@ -29,12 +29,14 @@ def layout(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[RunLayout
         memory.rm(root, recursive=True)
 
 
-def _plant(layout: RunLayout, *, host: str, pid: int, expires_in_s: float) -> None:
+def _plant(layout: RunLayout, *, host: str, pid: int, expires_in_s: float, heartbeat_seconds: float | None = None) -> None:
     now = dt.datetime.now(dt.timezone.utc)
     record = {
         "host": host, "pid": pid, "created_at": now.isoformat(),
         "expires_at": (now + dt.timedelta(seconds=expires_in_s)).isoformat(), "token": "planted",
     }
+    if heartbeat_seconds is not None:
+        record["heartbeat_seconds"] = heartbeat_seconds
     layout.store.write_bytes(layout.lock, json.dumps(record).encode())
 
 
@@ -91,6 +93,20 @@ def test_expired_lease_is_taken_over_only_with_force(layout: RunLayout) -> None:
         assert read_lock_holder(layout) == lock.holder and lock.holder.token != "planted"
 
 
+def test_expired_lease_of_a_heartbeating_holder_is_taken_over_without_force(layout: RunLayout, caplog) -> None:
+    # another host, liveness unknown: but it renewed every 15 s while alive and its lease expired
+    _plant(layout, host="other-host", pid=1, expires_in_s=-5, heartbeat_seconds=15)
+    with caplog.at_level("WARNING", logger="storage.lock"), RunLock(layout, lease_seconds=60) as lock:
+        assert read_lock_holder(layout) == lock.holder and lock.holder.token != "planted"
+    assert "took over stale lock" in caplog.text and "host=other-host pid=1" in caplog.text and "lease expired" in caplog.text
+
+
+def test_a_heartbeating_holder_whose_lease_is_valid_keeps_its_lock(layout: RunLayout) -> None:
+    _plant(layout, host="other-host", pid=1, expires_in_s=60, heartbeat_seconds=15)
+    with pytest.raises(LockHeldError, match="locked by host=other-host pid=1"):
+        RunLock(layout, lease_seconds=60).acquire()
+
+
 def test_lock_of_a_dead_process_on_this_host_is_taken_over_without_force(layout: RunLayout, caplog) -> None:
     pid = _dead_pid()
     _plant(layout, host=socket.gethostname(), pid=pid, expires_in_s=3600)
@@ -132,6 +148,7 @@ def test_heartbeat_keeps_a_short_lease_alive(layout: RunLayout) -> None:
     # a lease much shorter than the wait: only the heartbeat keeps it alive (margins for a busy machine)
     with RunLock(layout, lease_seconds=1.5, heartbeat_seconds=0.1) as lock:
         first = read_lock_holder(layout)
+        assert first.heartbeat_seconds == 0.1  # recorded: a later writer may treat an expired lease as dead
         time.sleep(2.0)
         assert read_lock_holder(layout).expires_at > first.expires_at
         assert read_lock_holder(layout).stale_reason() is None
