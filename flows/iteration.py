@@ -2,8 +2,13 @@
 
 Each stage skips itself when its manifest already exists, so re-running a failed or killed
 iteration resumes at the first stage without one. `complete_iteration` brings an iteration all
-the way to done (committed, evaluated when due, its step in MLflow); both the whole-run flow and
-the scheduled one-iteration flow advance a run through it, so they leave the same run behind.
+the way to done (committed, evaluated when due, its step in MLflow, its Prefect artifacts); both
+the whole-run flow and the scheduled one-iteration flow advance a run through it, so they leave
+the same run behind.
+
+The scheduled flow `sdpo-advance` ends without a red run when it has nothing to do: Completed
+and named "Skipped" once the run is complete (pausing its deployment's schedules), Cancelled
+when another live writer holds the run.
 """
 
 from __future__ import annotations
@@ -13,12 +18,20 @@ from typing import Any
 
 from prefect import flow
 
+from flows.orchestration import (
+    cancelled,
+    iteration_run_name,
+    name_flow_run,
+    pause_own_schedules,
+    quiet_libraries,
+    skipped,
+)
 from tasks import stages
 
 logger = logging.getLogger(__name__)
 
 
-@flow(name="sdpo-iteration", log_prints=False)
+@flow(name="sdpo-iteration", flow_run_name="{run}/iter-{iteration:04d}", log_prints=False)
 def sdpo_iteration(root: str, run: str, iteration: int) -> dict[str, Any]:
     """Advance run `run` under `root` by iteration `iteration`; returns the iteration manifest."""
     rollout = stages.rollout(root, run, iteration)
@@ -32,14 +45,32 @@ def eval_due(n: int, *, every: int, last: int) -> bool:
     return n == 0 or n == last or (every > 0 and n % every == 0)
 
 
+def describe_iteration(n: int, total: int, metrics: dict[str, float]) -> str:
+    """One status line: reward, loss, teacher coverage, eval accuracy when measured, stage times."""
+    parts = [f"iteration {n}/{total}", f"reward {metrics.get('rollout/reward_mean', float('nan')):.3f}"]
+    if "loss/total" in metrics:
+        parts.append(f"loss {metrics['loss/total']:.4f}")
+    if "sdpo/sample_mask_fraction" in metrics:
+        parts.append(f"teacher signal on {metrics['sdpo/sample_mask_fraction']:.0%} of samples")
+    if "eval/greedy_accuracy" in metrics:
+        parts.append(f"eval greedy acc {metrics['eval/greedy_accuracy']:.3f}")
+    seconds = sum(metrics.get(f"{s}/stage_seconds", 0.0) for s in ("rollout", "teacher", "train"))
+    parts.append(f"{seconds:.1f}s")
+    return " | ".join(parts)
+
+
 def complete_iteration(run: Any, tracker: Any, n: int) -> tuple[dict[str, float], bool]:
     """Iteration n of `run` done: committed (n > 0), evaluated when due, logged to MLflow once.
 
     Returns (the step's metrics, whether this call trained the iteration). Everything is read back
-    from the store, so a call after a crash finishes what the crashed process left undone.
+    from the store, so a call after a crash finishes what the crashed process left undone. An
+    iteration trained or first logged by this call also gets its status line, its sample table in
+    MLflow and its Prefect artifacts.
     """
+    from flows.artifacts import publish_iteration
     from storage.manifest import read_iteration_manifest, read_latest
     from storage.stages import read_eval
+    from tasks.summary import sample_table
 
     cfg, root, name = run.cfg, run.layout.root_url, run.layout.run_name
     ran = False
@@ -52,8 +83,22 @@ def complete_iteration(run: Any, tracker: Any, n: int) -> tuple[dict[str, float]
     if eval_due(n, every=cfg.eval.every, last=cfg.iterations):
         evaluated = read_eval(run.layout, n)
         metrics.update(evaluated if evaluated is not None else stages.evaluate(root, name, n))
-    tracker.log_step(n, metrics)
+    logged = tracker.log_step(n, metrics)
+    if n > 0 and (ran or logged):
+        logger.info("%s: %s", name, describe_iteration(n, cfg.iterations, metrics))
+        samples = sample_table(run, n)
+        tracker.log_samples(n, samples)
+        publish_iteration(run, tracker, n, metrics, samples)
     return metrics, ran
+
+
+def finish_run(run: Any, tracker: Any, summary: Any) -> None:
+    """The end of a complete run: its MLflow artifacts, its Prefect summary, the MLflow run closed."""
+    from flows.artifacts import publish_run
+
+    summary.write_artifacts(run, tracker)
+    publish_run(run, tracker, summary.as_dict())
+    tracker.finish()
 
 
 @flow(name="sdpo-advance", log_prints=False)
@@ -63,32 +108,68 @@ def sdpo_advance(
     allow_config_change: bool = False,
     force_unlock: bool = False,
 ) -> dict[str, Any] | None:
-    """Run the next iteration of the configured run (for scheduled deployments); None when done.
+    """Run the next iteration of the configured run (for scheduled deployments).
 
     Creates the run when it does not exist. One flow run, one iteration, one process: what it
-    leaves is what `sdpo run` leaves after the same iteration, bit for bit.
-    """
-    from storage.lock import RunLock
-    from storage.manifest import read_iteration_manifest, read_latest
-    from tasks.config import load_config
-    from tasks.runtime import run_layout, start_run
-    from tasks.tracking import open_tracker
+    leaves is what `sdpo run` leaves after the same iteration, bit for bit. Returns the committed
+    iteration's manifest reference and metrics; ends "Skipped" (None) when the run is complete,
+    pausing the schedules of the deployment it runs from, and Cancelled when another live writer
+    holds the run lock.
 
+    Args:
+        config_path: YAML run config (relative to the working directory, SDPO_REPO_DIR on a worker).
+        overrides: dotted overrides applied on top of the config, e.g. ["loss.alpha=1", "iterations=6"].
+        allow_config_change: continue an existing run under a changed config (recorded in the run and in MLflow).
+        force_unlock: take over a run lock whose lease expired and whose holder did not heartbeat.
+    """
+    from storage.errors import LockHeldError
+    from storage.lock import RunLock, read_lock_holder
+    from tasks.config import load_config
+    from tasks.runtime import run_layout
+
+    quiet_libraries()
     cfg = load_config(config_path, overrides or [])
     layout = run_layout(cfg)
-    with RunLock(layout, lease_seconds=cfg.storage.lock_lease_seconds, force=force_unlock):
-        run = start_run(cfg, layout, allow_config_change=allow_config_change)
-        tracker = open_tracker(run)
-        stages.prepare_base(cfg.storage.root, cfg.name)
-        latest = min(read_latest(layout) or 0, cfg.iterations)
-        for n in range(latest + 1):  # what a killed predecessor committed but did not evaluate or log
-            complete_iteration(run, tracker, n)
-        if latest >= cfg.iterations:
-            tracker.finish()
-            return None
-        metrics, _ = complete_iteration(run, tracker, latest + 1)
-        logger.info("iteration %d/%d of %s committed", latest + 1, cfg.iterations, cfg.name)
-        if latest + 1 == cfg.iterations:
-            tracker.finish()
-        manifest = read_iteration_manifest(layout, latest + 1)
-        return {**manifest.ref, "metrics": metrics}
+    lease = cfg.storage.lock_lease_seconds
+    lock = RunLock(layout, lease_seconds=lease, force=force_unlock, heartbeat_seconds=lease / 4)
+    try:
+        lock.acquire()
+    except LockHeldError:
+        holder = read_lock_holder(layout)
+        if holder is None or holder.stale_reason() is not None:
+            raise  # a stale lock this flow may not take over: someone has to look
+        return cancelled(f"run {cfg.name} is being written by {holder.describe()}; this flow run stands aside")
+    try:
+        return _advance_locked(cfg, layout, allow_config_change=allow_config_change)
+    finally:
+        lock.release()
+
+
+def _advance_locked(cfg: Any, layout: Any, *, allow_config_change: bool) -> Any:
+    """The body of `sdpo_advance`, holding the run lock."""
+    from storage.manifest import read_iteration_manifest, read_latest
+    from tasks.runtime import start_run
+    from tasks.summary import RunSummary
+    from tasks.tracking import open_tracker
+
+    run = start_run(cfg, layout, allow_config_change=allow_config_change)
+    latest = min(read_latest(layout) or 0, cfg.iterations)
+    complete = latest >= cfg.iterations
+    name_flow_run(f"{cfg.name}/complete" if complete else iteration_run_name(cfg.name, latest + 1))
+    tracker = open_tracker(run)
+    stages.prepare_base(cfg.storage.root, cfg.name)
+    summary = RunSummary(run_url=layout.run_url, tracking_uri=tracker.uri, loss_type=cfg.loss.type)
+    for n in range(latest + 1):  # what a killed predecessor committed but did not evaluate or log
+        summary.record(n, complete_iteration(run, tracker, n)[0])
+    if complete:
+        tracker.finish()
+        reason = f"run {cfg.name} is complete ({cfg.iterations} iterations)"
+        paused = pause_own_schedules(reason)
+        return skipped(reason + (f"; paused {len(paused)} schedule(s) of this deployment" if paused else ""))
+    metrics, _ = complete_iteration(run, tracker, latest + 1)
+    summary.record(latest + 1, metrics)
+    if latest + 1 == cfg.iterations:
+        summary.close(cfg.iterations)
+        finish_run(run, tracker, summary)
+    manifest = read_iteration_manifest(layout, latest + 1)
+    return {**manifest.ref, "metrics": metrics}

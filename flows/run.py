@@ -1,7 +1,8 @@
 """A whole run as a Prefect flow: create or resume it, then bring every iteration to done.
 
     base model -> for n in 0..N: complete_iteration(n)  [iteration n, its evaluation when due,
-                                                          its MLflow step]  -> summary
+                                                          its MLflow step, its Prefect artifacts]
+               -> summary (MLflow artifacts, the Prefect run summary)
 """
 
 from __future__ import annotations
@@ -12,24 +13,11 @@ from typing import Any
 
 from prefect import flow
 
-from flows.iteration import complete_iteration
+from flows.iteration import complete_iteration, finish_run
+from flows.orchestration import name_flow_run, quiet_libraries
 from tasks import stages
 
 logger = logging.getLogger(__name__)
-
-
-def describe_iteration(n: int, total: int, metrics: dict[str, float]) -> str:
-    """One status line: reward, loss, teacher coverage, eval accuracy when measured, stage times."""
-    parts = [f"iteration {n}/{total}", f"reward {metrics.get('rollout/reward_mean', float('nan')):.3f}"]
-    if "loss/total" in metrics:
-        parts.append(f"loss {metrics['loss/total']:.4f}")
-    if "sdpo/sample_mask_fraction" in metrics:
-        parts.append(f"teacher signal on {metrics['sdpo/sample_mask_fraction']:.0%} of samples")
-    if "eval/greedy_accuracy" in metrics:
-        parts.append(f"eval greedy acc {metrics['eval/greedy_accuracy']:.3f}")
-    seconds = sum(metrics.get(f"{s}/stage_seconds", 0.0) for s in ("rollout", "teacher", "train"))
-    parts.append(f"{seconds:.1f}s")
-    return " | ".join(parts)
 
 
 @flow(name="sdpo-run", log_prints=False)
@@ -39,7 +27,17 @@ def sdpo_run(
     allow_config_change: bool = False,
     force_unlock: bool = False,
 ) -> dict[str, Any]:
-    """Create or resume the run described by the config; returns a summary of the run."""
+    """Create or resume the run described by the config and iterate it to its last iteration.
+
+    Args:
+        config_path: YAML run config (relative to the working directory, SDPO_REPO_DIR on a worker).
+        overrides: dotted overrides applied on top of the config, e.g. ["loss.alpha=1", "iterations=6"].
+        allow_config_change: continue an existing run under a changed config (recorded in the run and in MLflow).
+        force_unlock: take over a run lock whose lease expired and whose holder did not heartbeat.
+
+    Returns:
+        The run summary: accuracy before and after, per-iteration metrics, time per stage.
+    """
     from storage.lock import RunLock
     from storage.manifest import read_latest
     from tasks.config import load_config
@@ -47,29 +45,24 @@ def sdpo_run(
     from tasks.summary import RunSummary
     from tasks.tracking import open_tracker
 
+    quiet_libraries()
     cfg = load_config(config_path, overrides or [])
     layout = run_layout(cfg)
-    with RunLock(layout, lease_seconds=cfg.storage.lock_lease_seconds, force=force_unlock) as lock:
+    name_flow_run(f"{cfg.name}/run-to-{cfg.iterations:04d}")
+    lease = cfg.storage.lock_lease_seconds
+    with RunLock(layout, lease_seconds=lease, force=force_unlock, heartbeat_seconds=lease / 4):
         run = start_run(cfg, layout, allow_config_change=allow_config_change)
         tracker = open_tracker(run)
-        summary = RunSummary(run_url=layout.run_url, tracking_uri=tracker.uri)
+        summary = RunSummary(run_url=layout.run_url, tracking_uri=tracker.uri, loss_type=cfg.loss.type)
 
         started = time.perf_counter()
         summary.base_info = stages.prepare_base(cfg.storage.root, cfg.name)
         for n in range(cfg.iterations + 1):
-            metrics, ran = complete_iteration(run, tracker, n)
-            if n == 0:
-                summary.before = metrics
-                continue
-            summary.add_iteration(n, metrics)
-            if ran:
-                logger.info(describe_iteration(n, cfg.iterations, metrics))
-            lock.renew()
+            summary.record(n, complete_iteration(run, tracker, n)[0])
         latest = read_latest(layout)
         if latest is None or latest < cfg.iterations:
             raise RuntimeError(f"run {cfg.name!r} ended with LATEST = {latest}, expected {cfg.iterations}")
-        summary.after = {k: v for k, v in summary.iterations.get(cfg.iterations, summary.before).items() if k.startswith("eval/")}
+        summary.close(cfg.iterations)
         summary.seconds = time.perf_counter() - started
-        summary.write_artifacts(run, tracker)
-        tracker.finish()
+        finish_run(run, tracker, summary)
     return summary.as_dict()

@@ -5,6 +5,7 @@
 <root>/<run>/config_changes.jsonl                       accepted config changes (allow_config_change=True)
 <root>/<run>/LATEST                                     last committed iteration (replaced atomically)
 <root>/<run>/LOCK                                       run lock (see storage.lock)
+<root>/<run>/fork.json                                  a fork's parent and starting iteration (see storage.fork)
 <root>/<run>/iter-<n>/_manifest.json                    iteration manifest: the commit of iteration n
 <root>/<run>/iter-<n>/<stage>/part-<i>.parquet          stage shards (stage: rollout | teacher | train | eval)
 <root>/<run>/iter-<n>/<stage>/<name>                    other stage files (e.g. train metrics)
@@ -104,6 +105,11 @@ class RunLayout:
     @property
     def run_json(self) -> str:
         return self.url("run.json")
+
+    @property
+    def fork_json(self) -> str:
+        """A fork's record of its parent (storage.fork)."""
+        return self.url("fork.json")
 
     @property
     def config_changes(self) -> str:

@@ -295,9 +295,16 @@ class StorageConfig(_Section):
 
 
 class TrackingConfig(_Section):
-    uri: str | None = Field(None, description="MLflow tracking URI; unset = sqlite file under the run root")
+    uri: str | None = Field(
+        None,
+        description="MLflow tracking URI; unset = one sqlite store per storage root: <root>/mlflow.db "
+        "(local root) or .sdpo/mlflow.db (object-store root)",
+    )
     experiment: str = "sdpo"
     enabled: bool = True
+    ui_url: str | None = Field(
+        "http://127.0.0.1:5000", description="MLflow UI address that Prefect artifacts link to; null = no links"
+    )
 
 
 class EvalConfig(_Section):

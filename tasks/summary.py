@@ -24,6 +24,7 @@ STAGE_SECONDS = {
 class RunSummary:
     run_url: str
     tracking_uri: str
+    loss_type: str
     base_info: dict[str, Any] = field(default_factory=dict)
     before: dict[str, float] = field(default_factory=dict)
     after: dict[str, float] = field(default_factory=dict)
@@ -32,6 +33,21 @@ class RunSummary:
 
     def add_iteration(self, n: int, metrics: dict[str, float]) -> None:
         self.iterations[n] = dict(metrics)
+
+    def record(self, n: int, metrics: dict[str, float]) -> None:
+        """Step n's metrics: the base model's evaluation (n = 0) or iteration n's."""
+        if n == 0:
+            self.before = dict(metrics)
+        else:
+            self.add_iteration(n, metrics)
+
+    def close(self, last: int) -> None:
+        """The accuracy after the run (the evaluation of iteration `last`), and the seconds its stages
+        and evaluations took (a whole-run flow overwrites them with its own wall time)."""
+        final = self.iterations.get(last, self.before)
+        self.after = {k: v for k, v in final.items() if k.startswith("eval/")}
+        steps = [self.before, *self.iterations.values()]
+        self.seconds = sum(self.stage_seconds().values()) + sum(m.get("eval/seconds", 0.0) for m in steps)
 
     def stage_seconds(self) -> dict[str, float]:
         return {
@@ -42,6 +58,7 @@ class RunSummary:
         return {
             "run_url": self.run_url,
             "tracking_uri": self.tracking_uri,
+            "loss_type": self.loss_type,
             "base": self.base_info,
             "before": self.before,
             "after": self.after,
@@ -51,7 +68,8 @@ class RunSummary:
         }
 
     def write_artifacts(self, run: Run, tracker: Any) -> None:
-        """Resolved config, per-iteration metrics, sample table, and the reward/accuracy plot."""
+        """Resolved config, per-iteration metrics and the reward/accuracy plot (the sample tables are
+        logged per iteration, `Tracker.log_samples`)."""
         from tasks.config import to_dict
 
         with tempfile.TemporaryDirectory(prefix="sdpo-artifacts-") as tmp:
@@ -59,8 +77,6 @@ class RunSummary:
             (out / "config.json").write_text(json.dumps(to_dict(run.cfg), indent=2))
             (out / "summary.json").write_text(json.dumps(self.as_dict(), indent=2))
             if self.iterations:
-                last = max(self.iterations)
-                (out / "samples.json").write_text(json.dumps(sample_table(run, last), indent=2))
                 plot_curves(self, out / "reward_accuracy.png")
             for path in sorted(out.iterdir()):
                 tracker.log_artifact(path)
@@ -125,7 +141,7 @@ def render_table(summary: dict[str, Any]) -> Any:
     """A rich table: accuracy before -> after and time per stage."""
     from rich.table import Table
 
-    table = Table(title=f"SDPO run {summary['run_url']}")
+    table = Table(title=f"{summary['loss_type'].upper()} run {summary['run_url']}")
     table.add_column("metric")
     table.add_column("before", justify="right")
     table.add_column("after", justify="right")

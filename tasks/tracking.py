@@ -1,7 +1,12 @@
 """MLflow tracking: one MLflow run per SDPO run, metrics per iteration, artifacts at the end.
 
-The tracking URI comes from the config; unset, it is a SQLite file beside the run (local runs) or
-under `.sdpo/` (object-store runs).
+The tracking URI comes from the config; unset, it is one SQLite store per storage root, beside the
+runs (`<root>/mlflow.db` for a local root, `.sdpo/mlflow.db` for an object-store root), so every
+run under a root, its baseline and its forks, compare in one `mlflow ui`.
+
+The loss a run optimises is in its metric names: `loss/total` and `train/loss` of the trainer are
+logged as `loss/<type>` and `train/loss_<type>` (`sdpo`, `grpo`, `blend`), so curves of two
+different losses are never overlaid under one name.
 
 Tracking follows the store, never the other way round: step n's metrics are read from iteration
 n's committed manifests (and its committed evaluation) and logged in one batch together with the
@@ -22,29 +27,64 @@ from tasks.config import RunConfig, flatten, to_dict
 logger = logging.getLogger(__name__)
 
 RUN_URL_TAG = "sdpo.run_url"
+PARENT_URL_TAG = "sdpo.parent_run_url"  # a fork's parent run
+FORKED_AT_TAG = "sdpo.forked_from_iteration"
 STEP_MARKER = "tracking/step"  # logged last in each step's batch: the step is in MLflow
 CHANGES_TAG = "sdpo.config_changes"  # how many accepted config changes are recorded as tags
 _BATCH_LIMIT = 1000  # MLflow's limit on metrics per log_batch
+_SOURCE = Path(__file__).resolve().parents[1]  # the checkout (or installed tree) the code runs from
 
 
-def tracking_uri(cfg: RunConfig, run_url: str, *, local_run_dir: Path | None) -> str:
+def source_tags() -> dict[str, str]:
+    """MLflow's standard source tags: the code that wrote the run, and its git commit and branch
+    when it runs from a git checkout."""
+    from mlflow.utils.git_utils import get_git_branch, get_git_commit, get_git_repo_url
+    from mlflow.utils.mlflow_tags import (
+        MLFLOW_GIT_BRANCH,
+        MLFLOW_GIT_COMMIT,
+        MLFLOW_GIT_REPO_URL,
+        MLFLOW_SOURCE_NAME,
+        MLFLOW_SOURCE_TYPE,
+    )
+
+    tags = {MLFLOW_SOURCE_NAME: str(_SOURCE), MLFLOW_SOURCE_TYPE: "JOB"}
+    found = {
+        MLFLOW_GIT_COMMIT: get_git_commit(str(_SOURCE)),
+        MLFLOW_GIT_BRANCH: get_git_branch(str(_SOURCE)),
+        MLFLOW_GIT_REPO_URL: get_git_repo_url(str(_SOURCE)),
+    }
+    tags.update({k: v for k, v in found.items() if v})
+    return tags
+
+
+def tracking_uri(cfg: RunConfig, *, local_root_dir: Path | None) -> str:
+    """The configured URI, else the SQLite store of the storage root (see the module doc)."""
     if cfg.tracking.uri:
         return cfg.tracking.uri
-    base = local_run_dir if local_run_dir is not None else Path(".sdpo")
+    base = local_root_dir if local_root_dir is not None else Path(".sdpo")
     base.mkdir(parents=True, exist_ok=True)
     return f"sqlite:///{(base / 'mlflow.db').resolve()}"
+
+
+def metric_names(metrics: dict[str, float], *, loss_type: str) -> dict[str, float]:
+    """The metrics under the names MLflow shows: the trainer's loss totals named by loss type."""
+    renamed = {"loss/total": f"loss/{loss_type}", "train/loss": f"train/loss_{loss_type}"}
+    return {renamed.get(k, k): v for k, v in metrics.items()}
 
 
 class Tracker:
     """Logs one SDPO run; resumes the same MLflow run when the SDPO run resumes."""
 
-    def __init__(self, cfg: RunConfig, run_url: str, *, local_run_dir: Path | None) -> None:
+    def __init__(self, cfg: RunConfig, run_url: str, *, local_root_dir: Path | None) -> None:
         import mlflow
         from mlflow.tracking import MlflowClient
 
         self.enabled = cfg.tracking.enabled
-        self.uri = tracking_uri(cfg, run_url, local_run_dir=local_run_dir)
+        self.uri = tracking_uri(cfg, local_root_dir=local_root_dir)
+        self.ui_url = cfg.tracking.ui_url
+        self.loss_type = cfg.loss.type
         self.run_id: str | None = None
+        self.experiment_id: str | None = None
         if not self.enabled:
             return
         mlflow.set_tracking_uri(self.uri)
@@ -58,6 +98,7 @@ class Tracker:
             experiment_id = self.client.create_experiment(cfg.tracking.experiment, artifact_location=artifact_location)
         else:
             experiment_id = experiment.experiment_id
+        self.experiment_id = experiment_id
         existing = self.client.search_runs(
             [experiment_id], filter_string=f"tags.`{RUN_URL_TAG}` = '{run_url}'", max_results=1
         )
@@ -69,6 +110,7 @@ class Tracker:
             self.run_id = run.info.run_id
         # Idempotent: a kill between creating the run and logging its params is mended here.
         self.log_params(flatten(to_dict(cfg)))
+        self.set_tags(source_tags())
         history = self.client.get_metric_history(self.run_id, STEP_MARKER)
         self.logged_steps: set[int] = {int(m.step) for m in history}
 
@@ -93,7 +135,8 @@ class Tracker:
         if not self.enabled or step in self.logged_steps:
             return False
         now = int(time.time() * 1000)
-        items = [Metric(k, float(v), now, step) for k, v in sorted(metrics.items())]
+        named = metric_names(metrics, loss_type=self.loss_type)
+        items = [Metric(k, float(v), now, step) for k, v in sorted(named.items())]
         items.append(Metric(STEP_MARKER, float(step), now, step))
         # One batch is one transaction; only a step of over 999 metrics takes several, marker last.
         for i in range(0, len(items), _BATCH_LIMIT):
@@ -101,6 +144,17 @@ class Tracker:
         self.logged_steps.add(step)
         crash_point("tracking.logged", step)
         return True
+
+    def log_samples(self, step: int, rows: list[dict[str, Any]]) -> None:
+        """Step `step`'s sample table (prompt, response, reward, feedback, teacher context) as an MLflow
+        table, `samples/iter-<step>.json`, which the UI's evaluation view can compare across runs."""
+        import mlflow
+
+        if not self.enabled or not rows:
+            return
+        columns = {key: [row[key] for row in rows] for key in rows[0]}
+        columns["iteration"] = [step] * len(rows)
+        mlflow.log_table(columns, artifact_file=f"samples/iter-{step:04d}.json", run_id=self.run_id)
 
     def record_config_changes(self, changes: list[dict[str, Any]]) -> None:
         """Tag each accepted config change (`config_changes.jsonl` entries) once, with its diff:
@@ -113,6 +167,21 @@ class Tracker:
             self.client.set_tag(self.run_id, f"sdpo.config_change.{i}", f"{change['changed_at']}: {diff}"[:5000])
             self.log_params({d["key"]: d["new"] for d in change["diff"]})
             self.client.set_tag(self.run_id, CHANGES_TAG, str(i))
+
+    def record_fork(self, fork: dict[str, Any]) -> None:
+        """Tag a forked run with its parent and the iteration it started from; when the parent's MLflow
+        run is in the same experiment, nest the fork under it (`mlflow.parentRunId`)."""
+        from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
+
+        if not self.enabled:
+            return
+        tags = {PARENT_URL_TAG: fork["parent_run_url"], FORKED_AT_TAG: str(fork["iteration"])}
+        parent = self.client.search_runs(
+            [self.experiment_id], filter_string=f"tags.`{RUN_URL_TAG}` = '{fork['parent_run_url']}'", max_results=1
+        )
+        if parent:
+            tags[MLFLOW_PARENT_RUN_ID] = parent[0].info.run_id
+        self.set_tags(tags)
 
     def set_tags(self, tags: dict[str, str]) -> None:
         if not self.enabled:
@@ -132,9 +201,16 @@ class Tracker:
 
 
 def open_tracker(run: Any) -> Tracker:
-    """The MLflow run of SDPO run `run` (created or resumed), with its accepted config changes tagged."""
+    """The MLflow run of SDPO run `run` (created or resumed), with its accepted config changes and,
+    for a fork, its parent tagged."""
+    from storage.fork import read_fork
     from storage.layout import read_config_changes
 
-    tracker = Tracker(run.cfg, run.layout.run_url, local_run_dir=run.layout.local_dir)
+    layout = run.layout
+    local_root = Path(layout.store.path(layout.root_url)) if layout.store.backend == "file" else None
+    tracker = Tracker(run.cfg, layout.run_url, local_root_dir=local_root)
     tracker.record_config_changes(read_config_changes(run.layout))
+    fork = read_fork(layout)
+    if fork is not None:
+        tracker.record_fork(fork)
     return tracker

@@ -1,0 +1,121 @@
+"""Prefect artifacts of a run: one iteration summary, one sample table and links per iteration,
+and one summary of the whole run at its end.
+
+Keys are per SDPO run (`sdpo-<run>-iteration`, `sdpo-<run>-samples`, `sdpo-<run>-summary`), so
+Prefect's artifact view keeps every iteration as a version of the same key.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+_CELL_CHARS = 400  # table cells beyond this are cut (teacher prompts run to kilobytes)
+
+
+def artifact_key(run_name: str, what: str) -> str:
+    """Prefect artifact keys allow lowercase letters, digits and dashes only."""
+    return re.sub(r"[^a-z0-9-]+", "-", f"sdpo-{run_name}-{what}".lower())
+
+
+def mlflow_run_link(tracker: Any) -> str | None:
+    """The MLflow UI page of the tracker's run, or None when tracking is off or no UI is configured."""
+    if not tracker.enabled or tracker.ui_url is None:
+        return None
+    return f"{tracker.ui_url.rstrip('/')}/#/experiments/{tracker.experiment_id}/runs/{tracker.run_id}"
+
+
+def _cut(value: Any) -> Any:
+    text = value if isinstance(value, str) else None
+    if text is None or len(text) <= _CELL_CHARS:
+        return value
+    return text[:_CELL_CHARS] + f"... ({len(text)} chars)"
+
+
+def _metric_rows(metrics: dict[str, float], prefixes: tuple[str, ...]) -> list[str]:
+    return [f"| `{k}` | {v:.4g} |" for k, v in sorted(metrics.items()) if k.startswith(prefixes)]
+
+
+def iteration_markdown(run: Any, n: int, metrics: dict[str, float], *, mlflow_link: str | None, checkpoint_url: str) -> str:
+    """Markdown of iteration n: reward and losses, teacher coverage, eval when measured, stage times, links."""
+    stage_times = [
+        f"| {stage} | {metrics[f'{stage}/stage_seconds']:.1f} |"
+        for stage in ("rollout", "teacher", "train")
+        if f"{stage}/stage_seconds" in metrics
+    ]
+    coverage = metrics.get("teacher/sample_mask_fraction", metrics.get("sdpo/sample_mask_fraction"))
+    lines = [
+        f"# {run.cfg.name}: iteration {n} of {run.cfg.iterations} ({run.cfg.loss.type} loss)",
+        "",
+        f"Teacher signal on **{coverage:.0%}** of samples." if coverage is not None else "No teacher signal recorded.",
+        "",
+        "| metric | value |",
+        "|---|---|",
+        *_metric_rows(metrics, ("rollout/reward", "rollout/accuracy", "loss/", "sdpo/", "grpo/", "train/loss", "eval/")),
+        "",
+        "| stage | seconds |",
+        "|---|---|",
+        *stage_times,
+        "",
+        f"Checkpoint: `{checkpoint_url}`",
+        "",
+        f"MLflow run: [{mlflow_link}]({mlflow_link})" if mlflow_link else "MLflow: tracking off or no `tracking.ui_url`",
+    ]
+    return "\n".join(lines)
+
+
+def publish_iteration(run: Any, tracker: Any, n: int, metrics: dict[str, float], samples: list[dict[str, Any]]) -> None:
+    """Iteration n's markdown summary, sample table and links, as Prefect artifacts of this flow run."""
+    from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
+
+    name = run.cfg.name
+    checkpoint_url = run.layout.checkpoint_dir(n, "policy")
+    link = mlflow_run_link(tracker)
+    create_markdown_artifact(
+        iteration_markdown(run, n, metrics, mlflow_link=link, checkpoint_url=checkpoint_url),
+        key=artifact_key(name, "iteration"),
+        description=f"{name} iteration {n}: metrics, teacher coverage, stage times",
+    )
+    create_table_artifact(
+        [{k: _cut(v) for k, v in row.items()} for row in samples],
+        key=artifact_key(name, "samples"),
+        description=f"{name} iteration {n}: prompt, response, reward, feedback, teacher context",
+    )
+    create_link_artifact(checkpoint_url, link_text=f"policy checkpoint of iteration {n}", key=artifact_key(name, "checkpoint"))
+    if link is not None:
+        create_link_artifact(link, link_text=f"MLflow run of {name}", key=artifact_key(name, "mlflow"))
+
+
+def publish_run(run: Any, tracker: Any, summary: dict[str, Any]) -> None:
+    """The whole run's summary: accuracy before -> after, time per stage, links."""
+    from prefect.artifacts import create_markdown_artifact
+
+    name = run.cfg.name
+    link = mlflow_run_link(tracker)
+    rows = [
+        f"| `{key}` | {summary['before'].get(key, float('nan')):.3f} | {summary['after'].get(key, float('nan')):.3f} |"
+        for key in ("eval/greedy_accuracy", "eval/sampled_accuracy", "eval/teacher_accuracy")
+    ]
+    times = [f"| {stage} | {seconds:.1f} |" for stage, seconds in summary["stage_seconds"].items()]
+    markdown = "\n".join(
+        [
+            f"# {name}: {run.cfg.iterations} iterations ({run.cfg.loss.type} loss)",
+            "",
+            "| metric | before | after |",
+            "|---|---|---|",
+            *rows,
+            "",
+            "| stage | seconds |",
+            "|---|---|",
+            *times,
+            f"| wall time | {summary['seconds']:.1f} |",
+            "",
+            f"Run: `{run.layout.run_url}`",
+            "",
+            f"MLflow run: [{link}]({link})" if link else "MLflow: tracking off or no `tracking.ui_url`",
+        ]
+    )
+    create_markdown_artifact(markdown, key=artifact_key(name, "summary"), description=f"{name}: the whole run")

@@ -1,0 +1,215 @@
+"""The deployments of infra/prefect/prefect.yaml on a real `prefect server` with a process worker.
+
+One scenario, end to end, as an operator runs it: deploy every deployment and the automations,
+start a worker, `prefect deployment run` the scheduled `sdpo-advance` deployment twice at once (one
+run commits iteration 1, the overlapping one ends Cancelled), turn its schedule on, kill the worker
+and the flow run's process in the middle of iteration 2, start a new worker, and wait: the dead
+run is marked Crashed when its heartbeats stop, the next ticks resume and finish the SDPO run, the
+tick after that ends "Skipped" and pauses the schedule. No flow run ends Failed, MLflow has every
+step exactly once, each iteration left its Prefect artifacts and its status line in Prefect's logs.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.integration.conftest import _free_port
+from tests.integration.runs import write_config
+
+REPO = Path(__file__).resolve().parents[2]
+PREFECT = [sys.executable, "-m", "prefect"]
+DEPLOYMENT = "sdpo-advance/advance-demo"
+ITERATIONS = 3
+
+
+class Prefect:
+    """A `prefect server` on 127.0.0.1 with its own PREFECT_HOME, and the commands run against it."""
+
+    def __init__(self, home: Path, port: int) -> None:
+        self.url = f"http://127.0.0.1:{port}/api"
+        self.env = {
+            **os.environ,
+            "PREFECT_HOME": str(home),
+            "PREFECT_API_URL": self.url,
+            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+            "PREFECT_CLI_PROMPT": "false",
+            "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "5",
+            "PREFECT_WORKER_QUERY_SECONDS": "2",
+            "PREFECT_WORKER_PREFETCH_SECONDS": "2",
+            "SDPO_REPO_DIR": str(REPO),
+            "PYTHONUNBUFFERED": "1",
+        }
+        self.processes: list[subprocess.Popen] = []
+
+    def start(self, args: list[str], log: Path) -> subprocess.Popen:
+        out = log.open("ab")
+        proc = subprocess.Popen([*PREFECT, *args], cwd=REPO, env=self.env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        self.processes.append(proc)
+        return proc
+
+    def cli(self, *args: str) -> str:
+        done = subprocess.run([*PREFECT, *args], cwd=REPO, env=self.env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, f"prefect {' '.join(args)}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+        return done.stdout
+
+    def wait_healthy(self, server: subprocess.Popen, log: Path) -> None:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            assert server.poll() is None, log.read_text()[-3000:]
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(1)
+        raise AssertionError("prefect server did not come up:\n" + log.read_text()[-3000:])
+
+    def client(self) -> Any:
+        from prefect.client.orchestration import SyncPrefectClient
+
+        return SyncPrefectClient(self.url)
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=60)
+
+
+@pytest.fixture
+def prefect(tmp_path: Path) -> Iterator[Prefect]:
+    p = Prefect(tmp_path / "prefect-home", _free_port())
+    log = tmp_path / "server.log"
+    server = p.start(["server", "start", "--host", "127.0.0.1", "--port", p.url.split(":")[-1].split("/")[0]], log)
+    try:
+        p.wait_healthy(server, log)
+        yield p
+    finally:
+        for proc in reversed(p.processes):
+            kill_group(proc)
+
+
+def flow_runs(client: Any, deployment_id: Any) -> list[Any]:
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
+
+    return client.read_flow_runs(deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment_id])))
+
+
+def wait_for(what: str, predicate, *, timeout: float, logs: list[Path], interval: float = 2.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if value := predicate():
+            return value
+        time.sleep(interval)
+    tails = "\n".join(f"--- {p.name}:\n{p.read_text()[-4000:]}" for p in logs if p.exists())
+    raise AssertionError(f"timed out waiting for {what}\n{tails}")
+
+
+def run_id_of(output: str) -> str:
+    match = re.search(r"UUID: ([0-9a-f-]{36})", output)
+    assert match, output
+    return match.group(1)
+
+
+def test_scheduled_deployment_recovers_from_a_killed_worker_and_stops_when_done(tmp_path: Path, prefect: Prefect) -> None:
+    from mlflow.tracking import MlflowClient
+    from prefect.client.schemas.schedules import IntervalSchedule
+
+    from storage.layout import RunLayout
+    from storage.lock import read_lock_holder
+    from storage.manifest import read_latest, stage_done
+
+    config = write_config(tmp_path, "sched", iterations=ITERATIONS, eval={"every": 0})
+    layout = RunLayout(str(tmp_path / "runs"), "sched")
+    worker_log, second_worker_log = tmp_path / "worker.log", tmp_path / "worker2.log"
+    logs = [worker_log, second_worker_log, tmp_path / "server.log"]
+
+    prefect.cli("work-pool", "create", "cpu-pool", "--type", "process")
+    prefect.cli("work-pool", "create", "gpu-pool", "--type", "process")
+    deployed = prefect.cli("deploy", "--all", "--prefect-file", "infra/prefect/prefect.yaml")
+    for name in ("sdpo-run/demo", "sdpo-run/demo-grpo", DEPLOYMENT, "sdpo-run/gpu-run", "sdpo-eval/eval"):
+        assert name in deployed, deployed
+    prefect.cli("automation", "create", "--from-file", "infra/prefect/automations.yaml")
+    client = prefect.client()
+    deployment = client.read_deployment_by_name(DEPLOYMENT)
+    assert deployment.global_concurrency_limit.limit == 1
+    assert deployment.concurrency_options.collision_strategy.value == "CANCEL_NEW"
+    params = deployment.parameter_openapi_schema["properties"]
+    assert {"config_path", "overrides", "allow_config_change", "force_unlock"} <= set(params)
+    assert params["force_unlock"]["type"] == "boolean" and "heartbeat" in params["force_unlock"]["description"]
+    worker = prefect.start(["worker", "start", "--pool", "cpu-pool", "--type", "process"], worker_log)
+
+    # two runs at once: one commits iteration 1, the overlapping one is Cancelled, not Failed
+    param = f"config_path={config}"
+    first = run_id_of(prefect.cli("deployment", "run", DEPLOYMENT, "--param", param))
+    second = run_id_of(prefect.cli("deployment", "run", DEPLOYMENT, "--param", param))
+    final = lambda i: (s := client.read_flow_run(i).state) is not None and s.is_final() and s  # noqa: E731
+    states = [wait_for(f"flow run {i} to end", lambda i=i: final(i), timeout=400, logs=logs) for i in (first, second)]
+    assert sorted(s.type.value for s in states) == ["CANCELLED", "COMPLETED"], [(s.type, s.message) for s in states]
+    assert read_latest(layout) == 1
+    done = first if states[0].is_completed() else second
+    assert client.read_flow_run(done).name == "sched/iter-0001"
+
+    # the schedule on; kill the worker and the flow run's process in the middle of iteration 2
+    (schedule,) = client.read_deployment_schedules(deployment.id)
+    client.update_deployment_schedule(
+        deployment.id,
+        schedule.id,
+        active=True,
+        schedule=IntervalSchedule(interval=dt.timedelta(seconds=10)),
+        parameters={"config_path": str(config)},
+    )
+    wait_for("iteration 2's rollout", lambda: stage_done(layout, 2, "rollout"), timeout=300, logs=logs, interval=0.2)
+    holder = read_lock_holder(layout)
+    assert holder is not None
+    kill_group(worker)
+    os.kill(holder.pid, signal.SIGKILL)
+    zombie = next(r for r in flow_runs(client, deployment.id) if r.state.is_running())
+    prefect.start(["worker", "start", "--pool", "cpu-pool", "--type", "process"], second_worker_log)
+
+    # by itself: the dead run becomes Crashed, the next ticks finish the run, one more skips and pauses
+    def skipped() -> Any:
+        return next((r for r in flow_runs(client, deployment.id) if r.state.name == "Skipped"), None)
+
+    skip = wait_for("a Skipped tick", skipped, timeout=480, logs=logs, interval=3)
+    assert "complete" in skip.state.message and "paused 1 schedule" in skip.state.message
+    assert [s.active for s in client.read_deployment_schedules(deployment.id)] == [False]
+    assert client.read_flow_run(zombie.id).state.is_crashed()
+    assert read_latest(layout) == ITERATIONS and read_lock_holder(layout) is None
+    runs = flow_runs(client, deployment.id)
+    assert not [r.name for r in runs if r.state.is_failed()]
+    names = {r.name for r in runs if r.state.is_completed()}
+    assert {"sched/iter-0001", "sched/iter-0002", "sched/iter-0003", "sched/complete"} <= names
+
+    # MLflow: every step once, the loss named by its type
+    mlflow = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    (mlrun,) = mlflow.search_runs([mlflow.get_experiment_by_name("sdpo").experiment_id])
+    assert [m.step for m in mlflow.get_metric_history(mlrun.info.run_id, "tracking/step")] == [0, 1, 2, 3]
+    assert [m.step for m in mlflow.get_metric_history(mlrun.info.run_id, "loss/sdpo")] == [1, 2, 3]
+    assert "loss/total" not in mlrun.data.metrics and mlrun.info.status == "FINISHED"
+    tables = {a.path for a in mlflow.list_artifacts(mlrun.info.run_id, "samples")}
+    assert tables == {f"samples/iter-{n:04d}.json" for n in (1, 2, 3)}
+
+    # Prefect: artifacts of every iteration and of the run, the status line in the flow run's logs
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey, LogFilter, LogFilterFlowRunId
+
+    artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["sdpo-sched-iteration"])))
+    assert {a.description.split(":")[0] for a in artifacts} == {f"sched iteration {n}" for n in (1, 2, 3)}
+    assert any("Teacher signal on" in a.data and "mlflow" in a.data.lower() for a in artifacts)
+    samples = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["sdpo-sched-samples"])))
+    assert len(samples) == 3 and all(a.type == "table" for a in samples)
+    assert client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["sdpo-sched-summary"])))
+    lines = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[done])))
+    assert any("iteration 1/3 | reward" in line.message for line in lines), [line.message for line in lines]

@@ -1,0 +1,86 @@
+"""MLflow tracking and run views: one store per storage root, loss metrics named by loss type,
+source tags, the summary of a run advanced step by step, Prefect artifact contents."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from flows.artifacts import artifact_key, iteration_markdown, mlflow_run_link
+from tasks.config import build_config
+from tasks.summary import RunSummary, render_table
+from tasks.tracking import Tracker, metric_names, source_tags, tracking_uri
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _cfg(tmp_path: Path, **tree):
+    return build_config({"storage": {"root": str(tmp_path / "runs"), "cache_dir": str(tmp_path / "cache")}, **tree})
+
+
+def test_runs_under_one_root_share_one_store_beside_the_runs(tmp_path):
+    root = tmp_path / "runs"
+    sdpo = _cfg(tmp_path, name="demo")
+    grpo = _cfg(tmp_path, name="demo-grpo", loss={"type": "grpo"})
+    a, b = (Tracker(c, f"file://{root}/{c.name}", local_root_dir=root) for c in (sdpo, grpo))
+    assert a.uri == b.uri == f"sqlite:///{root / 'mlflow.db'}"
+    assert a.experiment_id == b.experiment_id and a.run_id != b.run_id
+
+
+def test_an_object_store_root_tracks_under_the_working_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert tracking_uri(_cfg(tmp_path), local_root_dir=None) == f"sqlite:///{tmp_path / '.sdpo' / 'mlflow.db'}"
+
+
+def test_a_configured_uri_wins(tmp_path):
+    cfg = _cfg(tmp_path, tracking={"uri": "sqlite:////elsewhere/m.db"})
+    assert tracking_uri(cfg, local_root_dir=tmp_path) == "sqlite:////elsewhere/m.db"
+
+
+@pytest.mark.parametrize("loss", ["sdpo", "grpo", "blend"])
+def test_loss_totals_are_named_by_their_loss(loss):
+    named = metric_names({"loss/total": 1.0, "train/loss": 2.0, "sdpo/loss": 3.0, "rollout/reward_mean": 0.5}, loss_type=loss)
+    assert named == {f"loss/{loss}": 1.0, f"train/loss_{loss}": 2.0, "sdpo/loss": 3.0, "rollout/reward_mean": 0.5}
+
+
+def test_logged_steps_carry_the_loss_name_and_the_source_tags(tmp_path):
+    root = tmp_path / "runs"
+    cfg = _cfg(tmp_path, name="g", loss={"type": "grpo"})
+    tracker = Tracker(cfg, f"file://{root}/g", local_root_dir=root)
+    tracker.log_step(1, {"loss/total": 0.25})
+    run = tracker.client.get_run(tracker.run_id)
+    assert run.data.metrics == {"loss/grpo": 0.25, "tracking/step": 1.0}
+    assert run.data.tags["mlflow.source.name"] == str(REPO)
+    assert run.data.tags["mlflow.source.git.commit"] == source_tags()["mlflow.source.git.commit"]
+    assert len(run.data.tags["mlflow.source.git.commit"]) == 40
+
+
+def test_summary_of_steps_recorded_one_by_one():
+    summary = RunSummary(run_url="file:///r/x", tracking_uri="sqlite:///m.db", loss_type="grpo")
+    summary.record(0, {"eval/greedy_accuracy": 0.1, "eval/seconds": 2.0})
+    summary.record(1, {"rollout/stage_seconds": 3.0, "train/stage_seconds": 4.0})
+    summary.record(2, {"rollout/stage_seconds": 1.0, "eval/greedy_accuracy": 0.5, "eval/seconds": 1.0})
+    summary.close(2)
+    assert summary.before["eval/greedy_accuracy"] == 0.1
+    assert summary.after == {"eval/greedy_accuracy": 0.5, "eval/seconds": 1.0}
+    assert summary.seconds == pytest.approx(3.0 + 4.0 + 1.0 + 2.0 + 1.0)
+    assert render_table(summary.as_dict()).title == "GRPO run file:///r/x"
+
+
+def test_artifact_keys_are_what_prefect_accepts():
+    assert artifact_key("Demo_run.v2", "samples") == "sdpo-demo-run-v2-samples"
+
+
+def test_iteration_markdown_has_metrics_coverage_stage_times_and_links(tmp_path):
+    run = SimpleNamespace(cfg=_cfg(tmp_path, name="demo", iterations=6))
+    tracker = SimpleNamespace(enabled=True, ui_url="http://127.0.0.1:5000/", experiment_id="1", run_id="abc")
+    link = mlflow_run_link(tracker)
+    assert link == "http://127.0.0.1:5000/#/experiments/1/runs/abc"
+    metrics = {"rollout/reward_mean": 0.5, "teacher/sample_mask_fraction": 0.75, "train/stage_seconds": 12.0, "loss/total": 0.1}
+    text = iteration_markdown(run, 3, metrics, mlflow_link=link, checkpoint_url="file:///runs/demo/checkpoints/iter-3/policy")
+    assert "iteration 3 of 6 (sdpo loss)" in text and "**75%**" in text
+    assert "| `rollout/reward_mean` | 0.5 |" in text and "| train | 12.0 |" in text
+    assert f"]({link})" in text and "iter-3/policy" in text
+    assert mlflow_run_link(SimpleNamespace(enabled=True, ui_url=None)) is None
