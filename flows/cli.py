@@ -6,7 +6,7 @@ import contextlib
 import logging
 import os
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
@@ -24,29 +24,26 @@ OverridesArg = Annotated[
 ]
 
 
-def _setup_logging(verbose: bool) -> None:
-    """One line per iteration by default; every stage's log lines with --verbose."""
-    import warnings
-
+def _setup_logging(verbose: bool) -> Any:
+    """One line per iteration by default; every stage's log lines with --verbose. Returns the
+    console the log lines go to (a progress bar on it keeps below them)."""
+    from rich.console import Console
     from rich.logging import RichHandler
 
+    from flows.orchestration import quiet_libraries
+
+    console = Console(stderr=True)
     logging.basicConfig(
         level=logging.INFO if verbose else logging.WARNING,
         format="%(message)s",
-        handlers=[RichHandler(show_path=False, rich_tracebacks=False)],
+        handlers=[RichHandler(console=console, show_path=False, rich_tracebacks=False)],
         force=True,
     )
     logging.getLogger("flows").setLevel(logging.INFO)
-    for noisy in ("httpx", "alembic", "mlflow", "urllib3", "botocore", "werkzeug", "filelock"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
     if not verbose:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()  # per-checkpoint "Loading weights" bars, many per iteration
         os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
-        # megatron-core warns at import about optional GPU libraries it does not need here
-        warnings.filterwarnings("ignore", module=r"megatron\..*")
-        warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*")
+        quiet_libraries()
+    return console
 
 
 @contextlib.contextmanager
@@ -86,23 +83,26 @@ def run(
     allow_config_change: Annotated[
         bool, typer.Option(help="continue an existing run under a changed config (the change is recorded)")
     ] = False,
-    force_unlock: Annotated[bool, typer.Option(help="take over a run lock whose lease expired")] = False,
+    force_unlock: Annotated[bool, typer.Option(help="take over a run lock whose lease expired and whose holder did not heartbeat")] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="every stage's log lines")] = False,
 ) -> None:
-    """Create or resume a run and iterate it to the configured number of iterations."""
+    """Create or resume a run and iterate it to the configured number of iterations, with a progress
+    bar (iteration and stage under way, ETA) and a summary table at the end."""
     from rich.console import Console
 
     from tasks.config import ConfigError, load_config
 
-    _setup_logging(verbose)
+    log_console = _setup_logging(verbose)
     try:
         cfg = load_config(config, overrides or [])
     except ConfigError as err:
         _fail(str(err))
+    from flows.progress import iteration_progress
     from flows.run import sdpo_run
+    from tasks.runtime import run_layout
     from tasks.summary import render_table
 
-    with prefect_local_mode(cfg.name):
+    with prefect_local_mode(cfg.name), iteration_progress(run_layout(cfg), cfg.iterations, log_console):
         summary = sdpo_run(str(config), list(overrides or []), allow_config_change, force_unlock)
     console = Console()
     console.print(render_table(summary))
@@ -120,7 +120,7 @@ def advance(
     allow_config_change: Annotated[
         bool, typer.Option(help="continue an existing run under a changed config (the change is recorded)")
     ] = False,
-    force_unlock: Annotated[bool, typer.Option(help="take over a run lock whose lease expired")] = False,
+    force_unlock: Annotated[bool, typer.Option(help="take over a run lock whose lease expired and whose holder did not heartbeat")] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="every stage's log lines")] = False,
 ) -> None:
     """Advance a run by one iteration (creating it if needed), as a scheduled deployment does."""
@@ -134,9 +134,12 @@ def advance(
     from flows.iteration import sdpo_advance
 
     with prefect_local_mode(cfg.name):
-        result = sdpo_advance(str(config), list(overrides or []), allow_config_change, force_unlock)
+        state = sdpo_advance(str(config), list(overrides or []), allow_config_change, force_unlock, return_state=True)
+    if state.is_cancelled():
+        _fail(state.message)
+    result = state.result()
     if result is None:
-        typer.echo(f"run {cfg.name} is complete ({cfg.iterations} iterations): nothing to do")
+        typer.echo(f"{state.message}: nothing to do")
     else:
         typer.echo(f"run {cfg.name}: committed {result['path']}")
 
@@ -160,11 +163,64 @@ def lineage(
     run_name: Annotated[str, typer.Argument(help="run name")],
     root: Annotated[str, typer.Option(help="run root (path or URL)")] = "runs",
 ) -> None:
-    """Print the checkpoint chain of a run: each checkpoint, its parent and the shards it was trained on."""
+    """Print the checkpoint chain of a run: each checkpoint, its parent and the shards it was trained on
+    (and, for a fork, the run and iteration it started from)."""
     from storage.checkpoints import format_lineage, lineage as read_lineage
+    from storage.fork import read_fork
     from storage.layout import RunLayout
 
-    typer.echo(format_lineage(read_lineage(RunLayout(root, run_name))))
+    layout = RunLayout(root, run_name)
+    fork = read_fork(layout)
+    title = None
+    if fork is not None:
+        title = f"{run_name}: forked from {fork['parent_run_url']} at iteration {fork['iteration']} (iteration manifest {fork['iteration_manifest_sha256'][:12]})"
+    typer.echo(format_lineage(read_lineage(layout), title=title))
+
+
+@app.command()
+def fork(
+    run_name: Annotated[str, typer.Argument(help="the run to fork")],
+    from_iteration: Annotated[int, typer.Option("--from-iteration", help="committed iteration of RUN to start from")],
+    name: Annotated[str, typer.Option("--name", help="name of the new run")],
+    overrides: OverridesArg = None,
+    root: Annotated[str, typer.Option(help="run root of RUN (path or URL)")] = "runs",
+    config_out: Annotated[
+        Optional[Path], typer.Option(help="where to write the new run's config (default: NAME.yaml)")
+    ] = None,
+) -> None:
+    """Start a new run from a committed iteration of another: its checkpoints (policy, teacher,
+    optimizer state), data cursor and history, with the parent recorded in the fork's lineage and
+    MLflow run. Without overrides the fork's next iteration is the parent's, bit for bit."""
+    import yaml
+
+    from storage.fork import fork_run
+    from storage.layout import RunLayout, read_run
+    from storage.lock import RunLock
+    from tasks.config import ConfigError, apply_overrides, build_config, to_dict
+
+    parent = RunLayout(root, run_name)
+    if not parent.store.exists(parent.run_json):
+        _fail(f"no run {run_name!r} under {parent.root_url} (no {parent.run_json})")
+    out = config_out or Path(f"{name}.yaml")
+    if out.exists():
+        _fail(f"{out} exists; pass --config-out to write the fork's config elsewhere")
+    tree = read_run(parent)["config"]
+    tree["name"] = name
+    try:
+        cfg = build_config(apply_overrides(tree, list(overrides or [])))
+    except ConfigError as err:
+        _fail(str(err))
+    from tasks.runtime import run_layout
+
+    child = run_layout(cfg)
+    try:
+        with RunLock(child, lease_seconds=cfg.storage.lock_lease_seconds):
+            fork_run(parent, child, iteration=from_iteration, config=to_dict(cfg))
+    except (ValueError, FileExistsError) as err:
+        _fail(str(err))
+    out.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    typer.echo(f"run {child.run_url}: forked from {parent.run_url} at iteration {from_iteration}; config in {out}")
+    typer.echo(f"continue it with: sdpo run {out}")
 
 
 @app.command()

@@ -1,0 +1,56 @@
+"""`sdpo fork`: a run started from a committed iteration of another continues it bit for bit, and
+knows its parent (lineage, MLflow)."""
+
+from __future__ import annotations
+
+from mlflow.tracking import MlflowClient
+from typer.testing import CliRunner
+
+from flows.cli import app
+from tests.integration.runs import final_policy_sha, fingerprint, write_config
+
+
+def _of_iteration(digests: dict[str, str], n: int) -> dict[str, str]:
+    return {p: d for p, d in digests.items() if p.startswith((f"iter-{n}/", f"checkpoints/iter-{n}/"))}
+
+
+def test_a_fork_continues_its_parent_bit_for_bit_and_records_it(tmp_path, prefect_server):
+    from flows.run import sdpo_run
+    from storage.layout import RunLayout
+    from storage.manifest import read_latest
+
+    root = str(tmp_path / "runs")
+    sdpo_run(str(write_config(tmp_path, "parent", iterations=3)), [])
+    parent = RunLayout(root, "parent")
+    runner = CliRunner()
+
+    refused = runner.invoke(app, ["fork", "parent", "--from-iteration", "4", "--name", "late", "--root", root])
+    assert refused.exit_code == 2 and "committed iterations 1..3" in refused.output
+
+    child_yaml = tmp_path / "child.yaml"
+    forked = runner.invoke(
+        app, ["fork", "parent", "--from-iteration", "2", "--name", "child", "--root", root, "--config-out", str(child_yaml)]
+    )
+    assert forked.exit_code == 0, forked.output
+    child = RunLayout(root, "child")
+    assert read_latest(child) == 2
+    assert _of_iteration(fingerprint(child)["digests"], 2) == _of_iteration(fingerprint(parent)["digests"], 2)
+    again = runner.invoke(app, ["fork", "parent", "--from-iteration", "2", "--name", "child", "--root", root, "--config-out", str(tmp_path / "c2.yaml")])
+    assert again.exit_code == 2 and "already exists" in again.output
+
+    sdpo_run(str(child_yaml), [])
+    a, b = fingerprint(parent), fingerprint(child)
+    assert _of_iteration(b["digests"], 3) and _of_iteration(b["digests"], 3) == _of_iteration(a["digests"], 3)
+    assert final_policy_sha(child) == final_policy_sha(parent)
+    assert b["evals"][3] == a["evals"][3]
+
+    lineage = runner.invoke(app, ["lineage", "child", "--root", root])
+    assert lineage.exit_code == 0 and f"forked from {parent.run_url} at iteration 2" in lineage.output
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    runs = {r.info.run_name: r for r in client.search_runs([client.get_experiment_by_name("sdpo").experiment_id])}
+    tags = runs["child"].data.tags
+    assert tags["sdpo.parent_run_url"] == parent.run_url and tags["sdpo.forked_from_iteration"] == "2"
+    assert tags["mlflow.parentRunId"] == runs["parent"].info.run_id
+    history = client.get_metric_history(runs["child"].info.run_id, "tracking/step")
+    assert [m.step for m in history] == [0, 1, 2, 3]
