@@ -166,7 +166,8 @@ def _advance_locked(cfg: Any, layout: Any, *, allow_config_change: bool) -> Any:
         reason = f"run {cfg.name} is complete ({cfg.iterations} iterations)"
         paused = pause_own_schedules(reason)
         return skipped(reason + (f"; paused {len(paused)} schedule(s) of this deployment" if paused else ""))
-    metrics, _ = complete_iteration(run, tracker, latest + 1)
+    with tracker.system_metrics():
+        metrics, _ = complete_iteration(run, tracker, latest + 1)
     summary.record(latest + 1, metrics)
     if latest + 1 == cfg.iterations:
         summary.close(cfg.iterations)

@@ -56,9 +56,10 @@ def sdpo_run(
         summary = RunSummary(run_url=layout.run_url, tracking_uri=tracker.uri, loss_type=cfg.loss.type)
 
         started = time.perf_counter()
-        summary.base_info = stages.prepare_base(cfg.storage.root, cfg.name)
-        for n in range(cfg.iterations + 1):
-            summary.record(n, complete_iteration(run, tracker, n)[0])
+        with tracker.system_metrics():
+            summary.base_info = stages.prepare_base(cfg.storage.root, cfg.name)
+            for n in range(cfg.iterations + 1):
+                summary.record(n, complete_iteration(run, tracker, n)[0])
         latest = read_latest(layout)
         if latest is None or latest < cfg.iterations:
             raise RuntimeError(f"run {cfg.name!r} ended with LATEST = {latest}, expected {cfg.iterations}")

@@ -305,6 +305,7 @@ class TrackingConfig(_Section):
     ui_url: str | None = Field(
         "http://127.0.0.1:5000", description="MLflow UI address that Prefect artifacts link to; null = no links"
     )
+    system_metrics: bool = Field(True, description="sample CPU, memory, disk and GPU use into the MLflow run (system/*)")
 
 
 class EvalConfig(_Section):

@@ -17,8 +17,10 @@ every step appears exactly once however often the run was killed and resumed.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +85,7 @@ class Tracker:
         self.uri = tracking_uri(cfg, local_root_dir=local_root_dir)
         self.ui_url = cfg.tracking.ui_url
         self.loss_type = cfg.loss.type
+        self.log_system_metrics = cfg.tracking.system_metrics
         self.run_id: str | None = None
         self.experiment_id: str | None = None
         if not self.enabled:
@@ -193,6 +196,23 @@ class Tracker:
         if not self.enabled:
             return
         self.client.log_artifact(self.run_id, str(path), artifact_path)
+
+    @contextlib.contextmanager
+    def system_metrics(self) -> Iterator[None]:
+        """Sample the machine's CPU, memory, disk, network (and GPU, where there is one) into the run
+        as `system/*` metrics while the block runs (every 10 s; MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL
+        sets another period), continuing their steps on resume."""
+        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+        if not (self.enabled and self.log_system_metrics):
+            yield
+            return
+        monitor = SystemMetricsMonitor(self.run_id, resume_logging=True, tracking_uri=self.uri)
+        monitor.start()
+        try:
+            yield
+        finally:
+            monitor.finish()
 
     def finish(self, status: str = "FINISHED") -> None:
         if not self.enabled:

@@ -84,14 +84,14 @@ def mlflow_steps(db: Path) -> dict[str, list[int]]:
     client = MlflowClient(f"sqlite:///{db}")
     runs = client.search_runs([client.get_experiment_by_name("sdpo").experiment_id])
     assert len(runs) == 1, f"{len(runs)} MLflow runs for one SDPO run"
-    keys = ("tracking/step", "rollout/reward_mean", "train/loss", "eval/greedy_accuracy")
+    keys = ("tracking/step", "rollout/reward_mean", "train/loss_sdpo", "eval/greedy_accuracy")
     return {k: [m.step for m in client.get_metric_history(runs[0].info.run_id, k)] for k in keys}
 
 
 EXPECTED_STEPS = {
     "tracking/step": [0, 1, 2, 3],
     "rollout/reward_mean": [1, 2, 3],
-    "train/loss": [1, 2, 3],
+    "train/loss_sdpo": [1, 2, 3],
     "eval/greedy_accuracy": EVAL_STEPS,
 }
 

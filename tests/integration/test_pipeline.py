@@ -18,7 +18,7 @@ from tests.integration.runs import write_config
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_two_iterations_commit_shards_checkpoints_and_metrics(tmp_path, prefect_server):
+def test_two_iterations_commit_shards_checkpoints_and_metrics(tmp_path, prefect_server, monkeypatch):
     from mlflow.tracking import MlflowClient
 
     from flows.run import sdpo_run
@@ -28,6 +28,7 @@ def test_two_iterations_commit_shards_checkpoints_and_metrics(tmp_path, prefect_
     from storage.shards import read_stage_columns
 
     config = write_config(tmp_path, "tiny")
+    monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "1")
     summary = sdpo_run(str(config), [])
 
     layout = RunLayout(str(tmp_path / "runs"), "tiny")
@@ -58,6 +59,8 @@ def test_two_iterations_commit_shards_checkpoints_and_metrics(tmp_path, prefect_
     assert [m.step for m in history] == [1, 2]
     assert "eval/greedy_accuracy" in runs[0].data.metrics
     assert runs[0].data.params["loss.alpha"] == "0.5"
+    assert "system/cpu_utilization_percentage" in runs[0].data.metrics
+    assert "loss/sdpo" in runs[0].data.metrics and "loss/total" not in runs[0].data.metrics
     assert set(summary["stage_seconds"]) == {"rollout", "teacher", "train"}
     assert 0.0 <= summary["after"]["eval/greedy_accuracy"] <= 1.0
 
