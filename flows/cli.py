@@ -229,7 +229,8 @@ def status(
     root: Annotated[str, typer.Option(help="run root (path or URL)")] = "runs",
 ) -> None:
     """Print where a run stands: LATEST (its digest checked), the target, the lock holder, the next
-    iteration's committed stages."""
+    iteration's committed stages, and whether it is complete, in progress or stopped (at which stage)."""
+    from flows.progress import stage_under_way
     from storage.errors import StorageError
     from storage.layout import RunLayout, read_run
     from storage.lock import read_lock_holder
@@ -256,6 +257,11 @@ def status(
     n = latest + 1
     done = [stage for stage in ("rollout", "teacher", "train") if stage_done(layout, n, stage)]
     typer.echo(f"iteration {n}: committed stages: {', '.join(done) or 'none'}")
+    at = stage_under_way(layout, latest, target)
+    if holder is not None and holder.stale_reason() is None:
+        typer.echo(f"in progress: iteration {n}, {at} under way")
+    else:
+        typer.echo(f"stopped in iteration {n} at {at}; the next run or tick resumes there")
 
 
 @app.command()

@@ -37,6 +37,9 @@ def test_a_fork_continues_its_parent_bit_for_bit_and_records_it(tmp_path, prefec
     assert _of_iteration(fingerprint(child)["digests"], 2) == _of_iteration(fingerprint(parent)["digests"], 2)
     again = runner.invoke(app, ["fork", "parent", "--from-iteration", "2", "--name", "child", "--root", root, "--config-out", str(tmp_path / "c2.yaml")])
     assert again.exit_code == 2 and "already exists" in again.output
+    status = runner.invoke(app, ["status", "child", "--root", root])
+    assert "LATEST = 2 of 3" in status.output and "lock: free" in status.output
+    assert "stopped in iteration 3 at rollout" in status.output
 
     sdpo_run(str(child_yaml), [])
     a, b = fingerprint(parent), fingerprint(child)
