@@ -32,6 +32,23 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_healthy(url: str, server: Any, log: Any, *, timeout: float) -> None:
+    """Wait until GET `url` answers 200, failing with the log's tail if the server process `server`
+    (a Popen writing to the file `log`) exits or `timeout` seconds pass."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert server.poll() is None, log.read_text()[-3000:]
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(1)
+    raise AssertionError(f"{url} did not answer within {timeout:.0f} s:\n" + log.read_text()[-3000:])
+
+
 @dataclass
 class S3Server:
     endpoint_url: str

@@ -16,14 +16,12 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from urllib.parse import quote
 
-import httpx
 import pytest
 
-from tests.integration.conftest import _free_port
+from tests.integration.conftest import _free_port, wait_healthy
 from tests.integration.runs import write_config
 
 ARTIFACTS = Path(__file__).resolve().parents[1] / "artifacts"
@@ -83,16 +81,7 @@ def test_mlflow_ui_compares_an_sdpo_run_with_its_grpo_baseline(tmp_path, prefect
     driver = None
     try:
         base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while True:
-            assert ui.poll() is None, (tmp_path / "mlflow-ui.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "mlflow ui did not come up in 120 s"
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(1)
+        wait_healthy(f"{base}/health", ui, tmp_path / "mlflow-ui.log", timeout=120)
         driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
         ids = json.dumps(list(runs.values()))
 

@@ -22,10 +22,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
-from tests.integration.conftest import _free_port
+from tests.integration.conftest import _free_port, wait_healthy
 from tests.integration.runs import write_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -64,18 +63,6 @@ class Prefect:
         assert done.returncode == 0, f"prefect {' '.join(args)}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
         return done.stdout
 
-    def wait_healthy(self, server: subprocess.Popen, log: Path) -> None:
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline:
-            assert server.poll() is None, log.read_text()[-3000:]
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(1)
-        raise AssertionError("prefect server did not come up:\n" + log.read_text()[-3000:])
-
     def client(self) -> Any:
         from prefect.client.orchestration import SyncPrefectClient
 
@@ -94,7 +81,7 @@ def prefect(tmp_path: Path) -> Iterator[Prefect]:
     log = tmp_path / "server.log"
     server = p.start(["server", "start", "--host", "127.0.0.1", "--port", p.url.split(":")[-1].split("/")[0]], log)
     try:
-        p.wait_healthy(server, log)
+        wait_healthy(f"{p.url}/health", server, log, timeout=240)
         yield p
     finally:
         for proc in reversed(p.processes):
