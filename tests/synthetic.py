@@ -94,12 +94,15 @@ RESPONSES = (
 
 
 def write_synthetic_run(
-    root: Path, name: str, *, rows: int, group_size: int, seed: int, iteration: int = 1, top_k: int = 8,
-    scored: bool = True, texts: tuple[str, ...] | None = RESPONSES,
+    root: str, name: str, *, local_dir: Path, rows: int, group_size: int, seed: int, iteration: int = 1,
+    top_k: int = 8, scored: bool = True, texts: tuple[str, ...] | None = RESPONSES, rows_per_shard: int = 4096,
+    row_group_size: int = 256,
 ):
-    """A run with no model behind it: run.json (default config), the demo tokenizer as the policy
-    checkpoint of iteration `iteration - 1`, and a committed rollout (and, with `scored`, teacher)
-    stage of `rows` synthetic samples in groups of `group_size`. Returns the run's RunLayout.
+    """A run with no model behind it under `root` (a path or URL): run.json (default config), the
+    demo tokenizer as the policy checkpoint of iteration `iteration - 1`, and a committed rollout
+    (and, with `scored`, teacher) stage of `rows` synthetic samples in groups of `group_size`, made
+    as the teacher stage makes them (masks and teacher prompts from the run's feedback policy).
+    `local_dir` holds the tokenizer files and the checkpoint cache. Returns the run's RunLayout.
 
     With `texts`, responses cycle through them, tokenised with that tokenizer (the sampled token is
     one of its top-K candidates); without, they are `storage.synthetic` rows (random ids, words).
@@ -112,11 +115,11 @@ def write_synthetic_run(
     from tasks.bootstrap import build_tokenizer
     from tasks.config import load_config, to_dict
 
-    cfg = load_config(None, [f"name={name}", f"storage.root={root}", f"storage.cache_dir={root / '_cache'}"])
-    layout = RunLayout(str(root), name)
+    cfg = load_config(None, [f"name={name}", f"storage.root={root}", f"storage.cache_dir={local_dir / 'cache'}"])
+    layout = RunLayout(root, name)
     create_or_open_run(layout, to_dict(cfg))
-    tokenizer = build_tokenizer(root / "_tokenizer")
-    upload_checkpoint(root / "_tokenizer", layout, iteration - 1, "policy", parent="synthetic tokenizer")
+    tokenizer = build_tokenizer(local_dir / "tokenizer")
+    upload_checkpoint(local_dir / "tokenizer", layout, iteration - 1, "policy", parent="synthetic tokenizer")
     rng = np.random.default_rng(seed)
     columns = synthetic_columns(iteration=iteration, n_rows=rows, top_k=top_k, rng=rng, vocab=len(tokenizer),
                                 group_size=group_size, teacher=True)
@@ -141,7 +144,8 @@ def write_synthetic_run(
         columns |= {
             "response_ids": Ragged(flat, offsets),
             "response_text": chosen,
-            "finish_reason": ["stop"] * rows,
+            "finish_reason": ["length" if i % 5 == 4 else "stop" for i in range(rows)],
+            "data_source": ["synthetic_code" if (i // group_size) % 2 else "synthetic_math" for i in range(rows)],
             "topk_ids": Ragged(ids, offsets),
             "topk_logprobs": Ragged(logprobs, offsets),
             "sampled_logprobs": Ragged(logprobs[rows_, pick], offsets),
@@ -166,7 +170,8 @@ def write_synthetic_run(
         "teacher_source": [c.source for c in ordered],
         "sample_mask": [c.mask for c in ordered],
     }
-    rollout = write_stage(layout, iteration, "rollout", {c: columns[c] for c in ROLLOUT.names})
+    sizes = {"rows_per_shard": rows_per_shard, "row_group_size": row_group_size}
+    rollout = write_stage(layout, iteration, "rollout", {c: columns[c] for c in ROLLOUT.names}, **sizes)
     if scored:
-        write_stage(layout, iteration, "teacher", columns, parents=[rollout])
+        write_stage(layout, iteration, "teacher", columns, parents=[rollout], **sizes)
     return layout

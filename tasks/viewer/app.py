@@ -10,6 +10,10 @@ import logging
 from pathlib import Path
 from typing import Annotated, Any
 
+from fastapi import FastAPI, HTTPException
+from fastapi import Query as Param
+from fastapi.responses import FileResponse
+
 from tasks.viewer.data import MAX_PAGE, MaskFilter, NotFoundError, Query, RunData, SortKey, page, summary
 
 logger = logging.getLogger(__name__)
@@ -17,12 +21,8 @@ logger = logging.getLogger(__name__)
 STATIC = Path(__file__).parent / "static"
 
 
-def create_app(data: RunData) -> Any:
+def create_app(data: RunData) -> FastAPI:
     """The FastAPI app serving the page and the API for one run."""
-    from fastapi import FastAPI, HTTPException
-    from fastapi import Query as Param
-    from fastapi.responses import FileResponse
-
     app = FastAPI(title=f"sdpo view {data.layout.run_name}", docs_url=None, redoc_url=None)
 
     def lookup(fn, *args):  # noqa: ANN001, ANN202 - an unknown id answers 404, a bad request 400
@@ -88,5 +88,5 @@ def serve(data: RunData, *, host: str, port: int) -> None:
     """Serve the viewer until interrupted."""
     import uvicorn
 
-    logger.warning("sdpo view: http://%s:%d/ (run %s, read-only)", host, port, data.layout.run_url)
+    logger.info("serving run %s on http://%s:%d/", data.layout.run_url, host, port)
     uvicorn.run(create_app(data), host=host, port=port, log_level="warning")

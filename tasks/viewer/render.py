@@ -55,16 +55,17 @@ def segments(text: str) -> list[dict[str, str | None]]:
 
 
 def token_regions(token_texts: Sequence[str]) -> list[RegionKind | None]:
-    """The region each token of a response falls in (by the token's first character), or None."""
+    """The region each token of a response overlaps (the first, if it touches two), or None."""
     spans = regions("".join(token_texts))
     kinds: list[RegionKind | None] = []
-    offset, span = 0, 0
+    start, span = 0, 0
     for piece in token_texts:
-        while span < len(spans) and spans[span][1] <= offset:
+        end = start + len(piece)
+        while span < len(spans) and spans[span][1] <= start:
             span += 1
-        inside = span < len(spans) and spans[span][0] <= offset < spans[span][1]
-        kinds.append(spans[span][2] if inside else None)
-        offset += len(piece)
+        overlaps = span < len(spans) and spans[span][0] < max(end, start + 1) and start < spans[span][1]
+        kinds.append(spans[span][2] if overlaps else None)
+        start = end
     return kinds
 
 
