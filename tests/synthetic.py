@@ -139,7 +139,7 @@ def write_synthetic_run(
         clash = (ids == flat[:, None]) & (np.arange(top_k)[None, :] != pick[:, None])
         ids[clash] = ids[rows_, pick][clash.any(axis=1)]  # keep the K ids distinct
         ids[rows_, pick] = flat
-        noise = rng.normal(0.0, 0.6, logprobs.shape).astype(np.float32)
+        noise = rng.normal(0.0, 1.0, logprobs.shape).astype(np.float32)
         teacher = np.minimum(logprobs + noise, 0.0)
         columns |= {
             "response_ids": Ragged(flat, offsets),
