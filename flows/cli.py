@@ -209,7 +209,10 @@ def view(
     from tasks.viewer.data import RunData
 
     _setup_logging(False)
-    data = RunData(root, run_name)
+    try:
+        data = RunData(root, run_name)
+    except FileNotFoundError as err:  # no run.json under root
+        _fail(str(err))
     if tui:
         from tasks.viewer.tui import ViewerApp
 

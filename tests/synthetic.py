@@ -96,7 +96,7 @@ RESPONSES = (
 def write_synthetic_run(
     root: str, name: str, *, local_dir: Path, rows: int, group_size: int, seed: int, iteration: int = 1,
     top_k: int = 8, scored: bool = True, texts: tuple[str, ...] | None = RESPONSES, rows_per_shard: int = 4096,
-    row_group_size: int = 256,
+    row_group_size: int = 256, response_len: tuple[int, int] = (16, 64),
 ):
     """A run with no model behind it under `root` (a path or URL): run.json (default config), the
     demo tokenizer as the policy checkpoint of iteration `iteration - 1`, and a committed rollout
@@ -122,7 +122,7 @@ def write_synthetic_run(
     upload_checkpoint(local_dir / "tokenizer", layout, iteration - 1, "policy", parent="synthetic tokenizer")
     rng = np.random.default_rng(seed)
     columns = synthetic_columns(iteration=iteration, n_rows=rows, top_k=top_k, rng=rng, vocab=len(tokenizer),
-                                group_size=group_size, teacher=True)
+                                group_size=group_size, teacher=True, response_len=response_len)
     prompts = [tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
                for m in columns["prompt_messages"]]
     columns["prompt_ids"] = [np.asarray(p, dtype=np.int32) for p in prompts]
@@ -157,10 +157,10 @@ def write_synthetic_run(
 
     records = sample_records(columns)
     policy = feedback_policy(cfg)
-    contexts = {}
-    for group in {r.group_id: None for r in records}:
-        members = [r for r in records if r.group_id == group]
-        contexts |= {c.sample_id: c for c in policy.prepare_group(members)}
+    groups: dict[int, list] = {}
+    for record in records:
+        groups.setdefault(record.group_id, []).append(record)
+    contexts = {c.sample_id: c for members in groups.values() for c in policy.prepare_group(members)}
     ordered = [contexts[r.sample_id] for r in records]
     teacher_ids = [tokenizer.apply_chat_template(list(c.messages), add_generation_prompt=True, tokenize=True,
                                                  return_dict=True)["input_ids"] for c in ordered]

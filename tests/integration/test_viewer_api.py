@@ -188,3 +188,43 @@ def test_the_viewer_reads_a_run_on_s3(tmp_path, s3_root, s3_options):
     rows = get(client, "/api/iterations/1/samples", sort="reward", order="desc")["rows"]
     assert len(rows) == 8 and rows[0]["reward"] >= rows[-1]["reward"]
     assert get(client, "/api/iterations/1/samples/7")["tokens"][0]["credit"] is not None
+
+
+def test_sdpo_view_binds_to_loopback_unless_told_otherwise(run_root, monkeypatch):
+    from typer.testing import CliRunner
+
+    import tasks.viewer.app
+    from flows.cli import app
+
+    served = []
+    monkeypatch.setattr(tasks.viewer.app, "serve", lambda data, **kw: served.append((data.layout.run_name, kw)))
+    root = str(run_root / "runs")
+    result = CliRunner().invoke(app, ["view", "tiny", "--root", root])
+    assert result.exit_code == 0, result.output
+    assert served[-1] == ("tiny", {"host": "127.0.0.1", "port": 8765})
+    assert "http://127.0.0.1:8765/" in result.output
+    result = CliRunner().invoke(app, ["view", "tiny", "--root", root, "--port", "9000", "--host", "0.0.0.0"])
+    assert result.exit_code == 0 and served[-1][1] == {"host": "0.0.0.0", "port": 9000}
+
+
+def test_sdpo_view_tui_starts_the_terminal_viewer(run_root, monkeypatch):
+    from typer.testing import CliRunner
+
+    from flows.cli import app
+    from tasks.viewer.tui import ViewerApp
+
+    started = []
+    monkeypatch.setattr(ViewerApp, "run", lambda self: started.append(self.iterations))
+    result = CliRunner().invoke(app, ["view", "tiny", "--root", str(run_root / "runs"), "--tui"])
+    assert result.exit_code == 0, result.output
+    assert started == [[1, 2]]
+
+
+def test_sdpo_view_on_a_missing_run_names_it(tmp_path):
+    from typer.testing import CliRunner
+
+    from flows.cli import app
+
+    result = CliRunner().invoke(app, ["view", "nope", "--root", str(tmp_path)])
+    assert result.exit_code == 2
+    assert "run 'nope' does not exist" in result.output
