@@ -23,6 +23,7 @@ from tasks.viewer.render import credit_colour, segments, token_regions
 logger = logging.getLogger(__name__)
 
 HOVER_TOP = 20  # alternatives shown per token (all K when K is smaller)
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".distcp")
 _GROUP_COLUMNS = (
     "sample_id", "group_id", "prompt_messages", "response_text", "reward", "feedback", "finish_reason",
     "format_error", "teacher_prompt",
@@ -36,11 +37,19 @@ def _tokenizer(path: Path) -> Any:
     return AutoTokenizer.from_pretrained(str(path))
 
 
-def policy_tokenizer(data: RunData, n: int) -> Any:
-    """The tokenizer of the policy that sampled iteration n (checkpoint n - 1)."""
-    from tasks.runtime import checkpoint_dir
+def _not_weights(name: str) -> bool:
+    return "/" not in name and not name.endswith(_WEIGHT_SUFFIXES)
 
-    return _tokenizer(checkpoint_dir(data.run, n - 1, "policy"))
+
+def policy_tokenizer(data: RunData, n: int) -> Any:
+    """The tokenizer of the policy that sampled iteration n (checkpoint n - 1), fetched without the
+    checkpoint's weights."""
+    from storage.checkpoints import download_checkpoint_files
+
+    cfg = data.run.cfg.storage
+    folder = download_checkpoint_files(data.layout, n - 1, "policy", include=_not_weights,
+                                       cache_dir=cfg.cache_dir, verify=cfg.verify_sha256)
+    return _tokenizer(folder)
 
 
 def _round(values: np.ndarray, digits: int = 4) -> list[float | None]:

@@ -183,11 +183,15 @@ def test_the_viewer_reads_a_run_on_s3(tmp_path, s3_root, s3_options):
     from storage.urls import register_options
 
     register_options(s3_root, s3_options)
+    (tmp_path / "tokenizer").mkdir()
+    (tmp_path / "tokenizer" / "model.safetensors").write_bytes(b"\0" * 100_000)  # weights beside the tokenizer
     write_synthetic_run(s3_root, "tiny", local_dir=tmp_path, rows=8, group_size=G, seed=2)
     client = TestClient(create_app(RunData(s3_root, "tiny")))
     rows = get(client, "/api/iterations/1/samples", sort="reward", order="desc")["rows"]
     assert len(rows) == 8 and rows[0]["reward"] >= rows[-1]["reward"]
     assert get(client, "/api/iterations/1/samples/7")["tokens"][0]["credit"] is not None
+    fetched = [p.name for p in (tmp_path / "cache").rglob("*") if p.is_file()]
+    assert "tokenizer.json" in fetched and "model.safetensors" not in fetched  # the tokenizer without the weights
 
 
 def test_sdpo_view_binds_to_loopback_unless_told_otherwise(run_root, monkeypatch):
