@@ -10,4 +10,6 @@ per-token credit.
 
 def view_command(run_name: str, root: str) -> str:
     """The shell command that opens the viewer on a run (for the MLflow run tag)."""
-    return f"sdpo view {run_name} --root {root}"
+    import shlex
+
+    return f"sdpo view {shlex.quote(run_name)} --root {shlex.quote(root)}"

@@ -7,6 +7,7 @@ answer 404 with the reason; bad query values answer 422 (FastAPI's validation) o
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -14,7 +15,9 @@ from fastapi import FastAPI, HTTPException
 from fastapi import Query as Param
 from fastapi.responses import FileResponse
 
-from tasks.viewer.data import MAX_PAGE, MaskFilter, NotFoundError, Query, RunData, SortKey, page, summary
+from tasks.viewer.data import (
+    MAX_PAGE, BadQueryError, MaskFilter, NotFoundError, Query, RunData, SortKey, page, summary,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -25,12 +28,13 @@ def create_app(data: RunData) -> FastAPI:
     """The FastAPI app serving the page and the API for one run."""
     app = FastAPI(title=f"sdpo view {data.layout.run_name}", docs_url=None, redoc_url=None)
 
-    def lookup(fn, *args):  # noqa: ANN001, ANN202 - an unknown id answers 404, a bad request 400
+    def lookup(fn: Callable[..., dict[str, Any]], *args: Any) -> dict[str, Any]:
+        """fn(*args); an unknown iteration, sample or group answers 404, a bad list query 400."""
         try:
             return fn(*args)
         except NotFoundError as err:
             raise HTTPException(status_code=404, detail=str(err)) from err
-        except ValueError as err:
+        except BadQueryError as err:
             raise HTTPException(status_code=400, detail=str(err)) from err
 
     @app.get("/", include_in_schema=False)

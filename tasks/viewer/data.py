@@ -22,6 +22,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from storage.layout import RunLayout
 from tasks.runtime import Run, open_run
 
 logger = logging.getLogger(__name__)
@@ -41,6 +42,10 @@ _TEACHER_INDEX = ("teacher_sampled_logprobs", "sample_mask", "teacher_source")
 
 class NotFoundError(LookupError):
     """An iteration, sample or group the run does not have."""
+
+
+class BadQueryError(ValueError):
+    """A list query that cannot be answered (bad values, or a mask filter before the teacher stage)."""
 
 
 @dataclass(frozen=True)
@@ -155,11 +160,13 @@ class Query:
 
     def __post_init__(self) -> None:
         if self.sort not in SORT_KEYS:
-            raise ValueError(f"sort must be one of {SORT_KEYS}, got {self.sort!r}")
+            raise BadQueryError(f"sort must be one of {SORT_KEYS}, got {self.sort!r}")
         if self.mask not in ("all", "trained", "masked"):
-            raise ValueError(f"mask must be 'all', 'trained' or 'masked', got {self.mask!r}")
+            raise BadQueryError(f"mask must be 'all', 'trained' or 'masked', got {self.mask!r}")
         if self.offset < 0 or not 1 <= self.limit <= MAX_PAGE:
-            raise ValueError(f"need offset >= 0 and 1 <= limit <= {MAX_PAGE}, got offset={self.offset}, limit={self.limit}")
+            raise BadQueryError(
+                f"need offset >= 0 and 1 <= limit <= {MAX_PAGE}, got offset={self.offset}, limit={self.limit}"
+            )
 
 
 def select(index: IterationIndex, query: Query) -> np.ndarray:
@@ -171,7 +178,7 @@ def select(index: IterationIndex, query: Query) -> np.ndarray:
         keep &= index.reward <= query.reward_max
     if query.mask != "all":
         if index.mask is None:
-            raise ValueError(f"iteration {index.iteration} is not scored by the teacher yet: it has no sample mask")
+            raise BadQueryError(f"iteration {index.iteration} is not scored by the teacher yet: it has no sample mask")
         keep &= index.mask if query.mask == "trained" else ~index.mask
     if query.data_source is not None:
         keep &= index.data_source == query.data_source
@@ -252,7 +259,7 @@ class RunData:
         self._lock = threading.Lock()
 
     @property
-    def layout(self):  # noqa: ANN201 - storage.layout.RunLayout
+    def layout(self) -> RunLayout:
         return self.run.layout
 
     def stage_of(self, n: int) -> str:

@@ -117,8 +117,8 @@ class ViewerApp(App):
                           key=str(row["sample_id"]))
         s = summary(index)
         order = "desc" if self.descending else "asc"
-        self.sub_title = (f"{self.data.layout.run_name} · iteration {self.iteration} ({s['stage']}) · "
-                          f"{self.offset + 1 if self.total else 0}-{min(self.offset + PAGE, self.total)} of {self.total} · "
+        shown = f"{self.offset + 1 if self.total else 0}-{min(self.offset + PAGE, self.total)} of {self.total}"
+        self.sub_title = (f"{self.data.layout.run_name} · iteration {self.iteration} ({s['stage']}) · {shown} · "
                           f"sort {self.sort} {order} · mask {self.mask} · reward {_fmt(s['reward_mean'])}")
 
     def action_sort(self, key: SortKey) -> None:
@@ -165,11 +165,13 @@ class ViewerApp(App):
         s = sample_detail(self.data, self.iteration, sample_id)
         mask = "–" if s["mask"] is None else "trained" if s["mask"] else "masked"
         body = Text()
-        body.append(f"sample {s['sample_id']} · group {s['group_id']} · reward {_fmt(s['reward'])} · {mask}\n", style="bold")
+        title = f"sample {s['sample_id']} · group {s['group_id']} · reward {_fmt(s['reward'])} · {mask}\n"
+        body.append(title, style="bold")
         body.append(f"label {s['label']} · finish {s['finish_reason']} · feedback {s['feedback'] or '–'}\n\n")
         body.append("Prompt\n", style="bold underline")
         body.append_text(segments_text(s["prompt"]))
-        body.append("\n\nResponse: per-token credit (teacher − student log-prob; green +, red −)\n", style="bold underline")
+        body.append("\n\nResponse: per-token credit (teacher − student log-prob; green +, red −)\n",
+                    style="bold underline")
         body.append_text(credit_text(s["tokens"]))
         body.append("\n\nTeacher context\n", style="bold underline")
         demo = "none" if s["demonstration"] is None else f"sample {s['demonstration']}"
@@ -188,7 +190,8 @@ class ViewerApp(App):
         body = Text(f"group {g['group_id']}: {len(g['members'])} answers\n\n", style="bold")
         for m in g["members"]:
             mark = " [demonstration]" if m["served_as_demonstration"] else ""
-            body.append(f"sample {m['sample_id']} · reward {_fmt(m['reward'], 2)}{mark}\n", style="bold green" if mark else "bold")
+            body.append(f"sample {m['sample_id']} · reward {_fmt(m['reward'], 2)}{mark}\n",
+                        style="bold green" if mark else "bold")
             body.append_text(segments_text(m["response"]))
             body.append("\n\n")
         self.query_one("#detail", Static).update(body)

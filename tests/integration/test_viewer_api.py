@@ -232,3 +232,21 @@ def test_sdpo_view_on_a_missing_run_names_it(tmp_path):
     result = CliRunner().invoke(app, ["view", "nope", "--root", str(tmp_path)])
     assert result.exit_code == 2
     assert "run 'nope' does not exist" in result.output
+
+
+def test_view_command_is_what_the_cli_accepts(run_root, monkeypatch):
+    import shlex
+
+    from typer.testing import CliRunner
+
+    import tasks.viewer.app
+    from flows.cli import app
+    from tasks.viewer import view_command
+
+    served = []
+    monkeypatch.setattr(tasks.viewer.app, "serve", lambda data, **kw: served.append(data.layout.run_url))
+    command = shlex.split(view_command("tiny", str(run_root / "runs")))
+    assert command[:2] == ["sdpo", "view"]
+    result = CliRunner().invoke(app, command[1:])
+    assert result.exit_code == 0, result.output
+    assert served == [RunData(str(run_root / "runs"), "tiny").layout.run_url]
