@@ -22,7 +22,7 @@ from tasks.viewer.render import credit_colour, segments, token_regions
 
 logger = logging.getLogger(__name__)
 
-HOVER_TOP = 20  # alternatives shown per token (all K when K is smaller)
+HOVER_TOP = 20  # candidates shown per token: all K when K is smaller
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".distcp")
 _GROUP_COLUMNS = (
     "sample_id", "group_id", "prompt_messages", "response_text", "reward", "feedback", "finish_reason",
@@ -67,15 +67,22 @@ def response_tokens(tokenizer: Any, row: dict[str, Any]) -> list[dict[str, Any]]
 
     Keys: `text`, `region`, `credit` (teacher - student log-prob of the sampled token, None before the
     teacher stage), `colour`, `student`, `teacher` (log-probs of the sampled token), `alternatives`:
-    [{"text", "student", "teacher"}] probabilities of the student's top ids, most likely first.
+    [{"text", "student", "teacher"}] probabilities of the student's top-K ids in the student's order;
+    when K > HOVER_TOP, the HOVER_TOP ids that either model finds likeliest.
     """
     ids = np.asarray(row["response_ids"])
-    k = np.asarray(row["topk_ids"]).reshape(len(ids), -1)[:, :HOVER_TOP]
-    student_alt = np.round(np.exp(_topk(row, "topk_logprobs", len(ids))), 4).tolist()
-    student = _round(np.asarray(row["sampled_logprobs"], dtype=np.float64))
+    n = len(ids)
     scored = "teacher_sampled_logprobs" in row
+    student_p = np.exp(np.asarray(row["topk_logprobs"], dtype=np.float64).reshape(n, -1))
+    teacher_p = np.exp(np.asarray(row["teacher_topk_logprobs"], dtype=np.float64).reshape(n, -1)) if scored else None
+    # the HOVER_TOP candidates either model finds likeliest, kept in the student's order
+    weight = student_p if teacher_p is None else np.maximum(student_p, teacher_p)
+    shown = np.sort(np.argsort(-weight, axis=1, kind="stable")[:, :HOVER_TOP], axis=1)
+    k = np.take_along_axis(np.asarray(row["topk_ids"]).reshape(n, -1), shown, axis=1)
+    student_alt = np.round(np.take_along_axis(student_p, shown, axis=1), 4).tolist()
+    student = _round(np.asarray(row["sampled_logprobs"], dtype=np.float64))
     if scored:
-        teacher_alt = np.round(np.exp(_topk(row, "teacher_topk_logprobs", len(ids))), 4).tolist()
+        teacher_alt = np.round(np.take_along_axis(teacher_p, shown, axis=1), 4).tolist()
         gap = np.asarray(row["teacher_sampled_logprobs"], dtype=np.float64) - np.asarray(row["sampled_logprobs"])
         teacher, credit = _round(np.asarray(row["teacher_sampled_logprobs"], dtype=np.float64)), _round(gap)
     texts = _token_texts(tokenizer, np.concatenate([ids, k.ravel()]))
@@ -96,10 +103,6 @@ def response_tokens(tokenizer: Any, row: dict[str, Any]) -> list[dict[str, Any]]
             ],
         })
     return tokens
-
-
-def _topk(row: dict[str, Any], name: str, n_tokens: int) -> np.ndarray:
-    return np.asarray(row[name], dtype=np.float64).reshape(n_tokens, -1)[:, :HOVER_TOP]
 
 
 def _group_records(data: RunData, n: int, rows: np.ndarray) -> list[Any]:

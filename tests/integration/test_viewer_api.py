@@ -250,3 +250,21 @@ def test_view_command_is_what_the_cli_accepts(run_root, monkeypatch):
     result = CliRunner().invoke(app, command[1:])
     assert result.exit_code == 0, result.output
     assert served == [RunData(str(run_root / "runs"), "tiny").layout.run_url]
+
+
+def test_the_hover_keeps_the_teachers_favourite_when_k_is_large(tmp_path):
+    from tasks.bootstrap import build_tokenizer
+    from tasks.viewer.samples import HOVER_TOP, response_tokens
+
+    tokenizer = build_tokenizer(tmp_path / "tok")
+    k = HOVER_TOP + 10
+    student = np.log(np.linspace(1.0, 0.01, k) / np.linspace(1.0, 0.01, k).sum())[None, :]  # descending
+    teacher = np.full((1, k), -20.0)
+    teacher[0, k - 1] = -0.01  # the teacher's favourite is the student's last candidate
+    row = {"response_ids": np.array([5]), "topk_ids": np.arange(k)[None, :], "topk_logprobs": student,
+           "sampled_logprobs": student[:, 0], "teacher_topk_logprobs": teacher,
+           "teacher_sampled_logprobs": teacher[:, 0]}
+    alternatives = response_tokens(tokenizer, row)[0]["alternatives"]
+    assert len(alternatives) == HOVER_TOP
+    assert alternatives[-1]["teacher"] == pytest.approx(np.exp(-0.01), abs=1e-4)
+    assert [a["student"] for a in alternatives[:-1]] == pytest.approx(np.exp(student[0, :HOVER_TOP - 1]).tolist(), abs=1e-4)
