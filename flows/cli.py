@@ -279,6 +279,33 @@ def prepare_data(
         typer.echo(f"{key}: {value}")
 
 
+@app.command()
+def view(
+    run_name: Annotated[str, typer.Argument(help="run name")],
+    root: Annotated[str, typer.Option(help="run root (path or URL, e.g. s3://bucket/runs)")] = "runs",
+    port: Annotated[int, typer.Option(help="port of the web viewer")] = 8765,
+    host: Annotated[str, typer.Option(help="interface to bind; the default serves this machine only")] = "127.0.0.1",
+    tui: Annotated[bool, typer.Option("--tui", help="the terminal viewer instead of the web page")] = False,
+) -> None:
+    """Browse a run's rollouts: samples, groups, teacher context and the teacher's per-token credit (read-only)."""
+    from tasks.viewer.data import RunData
+
+    _setup_logging(False)
+    try:
+        data = RunData(root, run_name)
+    except FileNotFoundError as err:  # no run.json under root
+        _fail(str(err))
+    if tui:
+        from tasks.viewer.tui import ViewerApp
+
+        ViewerApp(data).run()
+        return
+    from tasks.viewer.app import serve
+
+    typer.echo(f"sdpo view: http://{host}:{port}/ (run {data.layout.run_url}, read-only; Ctrl-C stops)")
+    serve(data, host=host, port=port)
+
+
 def main() -> None:
     app()
 

@@ -11,11 +11,12 @@ and the stage manifests it was trained on, which `lineage` follows.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import shutil
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -208,6 +209,44 @@ def download_checkpoint(
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)
+    return target
+
+
+
+def download_checkpoint_files(
+    layout: RunLayout,
+    ref: str | int,
+    kind: str = "policy",
+    *,
+    include: Callable[[str], bool],
+    cache_dir: str | os.PathLike[str],
+    verify: bool = True,
+) -> Path:
+    """Local folder holding only the files of checkpoint `ref` whose names pass `include`.
+
+    For readers that need part of a checkpoint (a tokenizer without the weights). The folder is
+    `<cache_dir>/<manifest digest>-<digest of the chosen names>/`, reused when its files match the
+    manifest (sha256 when `verify`); fails when `include` keeps no file.
+    """
+    manifest = resolve_checkpoint(layout, ref, kind)
+    entries = [e for e in manifest.data["files"] if include(e["name"])]
+    if not entries:
+        names = [e["name"] for e in manifest.data["files"]][:8]
+        raise FileNotFoundError(f"checkpoint {kind} of {ref} has no file that `include` keeps; files: {names}")
+    chosen = hashlib.sha256("\n".join(sorted(e["name"] for e in entries)).encode()).hexdigest()[:16]
+    target = Path(cache_dir) / f"{manifest.sha256}-{chosen}"
+    for entry in entries:
+        local = target / entry["name"]
+        fresh = local.is_file() and local.stat().st_size == entry["bytes"]
+        if fresh and (not verify or sha256_local_file(local) == entry["sha256"]):
+            continue
+        url = layout.url(entry["path"])
+        partial = local.with_name(f".{local.name}.tmp{owner_tag()}")
+        layout.store.get_to_local(url, partial)
+        if verify and (actual := sha256_local_file(partial)) != entry["sha256"]:
+            partial.unlink()
+            raise ChecksumMismatchError(url, expected=entry["sha256"], actual=actual)
+        os.replace(partial, local)
     return target
 
 

@@ -18,19 +18,24 @@ from typing import Any
 
 import numpy as np
 
+from tasks.config import RunConfig
 from tasks.runtime import Run
 
 logger = logging.getLogger(__name__)
 
-def build_contexts(run: Run, columns: dict[str, Any]) -> tuple[list[Any], dict[str, float]]:
-    """Teacher contexts for every rollout row, in row order, and the context metrics."""
-    from sdpo_core.feedback import RelaxSDPOFeedback, SDPOFeedback, load_feedback
-    from sdpo_core.metrics import teacher_context_metrics, warn_if_inactive
+
+def feedback_policy(cfg: RunConfig) -> Any:
+    """The run's configured `FeedbackPolicy`."""
+    from sdpo_core.feedback import load_feedback
+
+    return load_feedback(cfg.teacher.feedback, dict(cfg.teacher.feedback_kwargs))
+
+
+def sample_records(columns: dict[str, Any]) -> list[Any]:
+    """One `SampleRecord` per row of rollout columns (as `read_stage_columns` returns them), in row order."""
     from sdpo_core.records import SampleRecord
 
-    cfg = run.cfg
-    policy = load_feedback(cfg.teacher.feedback, dict(cfg.teacher.feedback_kwargs))
-    samples = [
+    return [
         SampleRecord(
             sample_id=int(columns["sample_id"][i]),
             group_id=int(columns["group_id"][i]),
@@ -44,7 +49,16 @@ def build_contexts(run: Run, columns: dict[str, Any]) -> tuple[list[Any], dict[s
         )
         for i in range(len(columns["sample_id"]))
     ]
-    groups: dict[int, list[SampleRecord]] = defaultdict(list)
+
+
+def build_contexts(run: Run, columns: dict[str, Any]) -> tuple[list[Any], dict[str, float]]:
+    """Teacher contexts for every rollout row, in row order, and the context metrics."""
+    from sdpo_core.feedback import RelaxSDPOFeedback, SDPOFeedback
+    from sdpo_core.metrics import teacher_context_metrics, warn_if_inactive
+
+    policy = feedback_policy(run.cfg)
+    samples = sample_records(columns)
+    groups: dict[int, list[Any]] = defaultdict(list)
     for sample in samples:
         groups[sample.group_id].append(sample)
     by_id = {}

@@ -379,3 +379,26 @@ def test_warn_if_inactive_silent_when_some_sample_trains(caplog):
     with caplog.at_level(logging.WARNING, logger=log.name):
         assert not warn_if_inactive(metrics, logger=log)
     assert caplog.records == []
+
+
+# --------------------------------------------------------------------------- demonstrations
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [SDPOFeedback(), SDPOFeedback(dont_reprompt_on_self_success=False), RelaxSDPOFeedback(), RelaxSDPOFeedback(success_threshold=0.5)],
+    ids=["sdpo", "sdpo-self", "relax", "relax-0.5"],
+)
+@pytest.mark.parametrize("rewards", [[0.0, 1.0, 0.0, 1.0], [1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0], [0.6, 1.0, 0.6, 0.0]])
+def test_demonstrations_name_the_answer_each_teacher_prompt_carries(policy, rewards):
+    group = [make(i, r) for i, r in enumerate(rewards)]
+    demos = policy.demonstrations(group)
+    for context, demo in zip(policy.prepare_group(group), demos, strict=True):
+        shown = [j for j in range(len(group)) if f"answer-{j}" in user_text(context)]
+        assert shown == ([] if demo is None else [demo])
+
+
+def test_policies_without_demonstrations_name_none():
+    group = [make(0, 1.0, teacher_prompt="privileged"), make(1, 0.0, teacher_prompt="privileged")]
+    assert OPDFeedback().demonstrations(group) == [None, None]
+    assert OPSDFeedback().demonstrations(group) == [None, None]
