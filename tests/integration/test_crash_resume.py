@@ -184,7 +184,7 @@ def test_a_full_disk_fails_naming_the_file_then_resumes_bit_identical(tmp_path, 
         f"mount -o remount,size=64m {disk} && {sdpo_cli} > {tmp_path}/resumed.out 2>&1; echo $? > {tmp_path}/resumed.rc; "
         f"cp -a {disk}/runs {tmp_path}/runs"
     )
-    env = run_env(prefect_server)
+    env = run_env(prefect_server, COLUMNS="400")  # one traceback line per message line
     shell = subprocess.run(["unshare", "-m", "sh", "-c", script], cwd=REPO, env=env, capture_output=True, text=True,
                            timeout=900)
     assert shell.returncode == 0, f"unshare/mount failed ({shell.returncode}): {shell.stderr}"
