@@ -146,13 +146,13 @@ def validate(config: ConfigArg, overrides: OverridesArg = None) -> None:
     """Validate a config (with overrides) and print it fully resolved, defaults included."""
     import yaml
 
-    from tasks.config import ConfigError, load_config, to_dict
+    from tasks.config import ConfigError, full_dict, load_config
 
     try:
         cfg = load_config(config, overrides or [])
     except ConfigError as err:
         _fail(str(err))
-    typer.echo(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    typer.echo(yaml.safe_dump(full_dict(cfg), sort_keys=False))
 
 
 @app.command()
@@ -234,6 +234,25 @@ def verify(
     for url, what in report.problems:
         typer.secho(f"  {url}: {what}", fg=typer.colors.RED, err=True)
     raise typer.Exit(1)
+
+
+@app.command("stage")
+def stage_command(
+    name: Annotated[str, typer.Argument(help="prepare-base | rollout | teacher | train | commit | eval")],
+    root: Annotated[str, typer.Option(help="run root (path or URL)")],
+    run_name: Annotated[str, typer.Option("--run", "--run-name", help="run name")],
+    iteration: Annotated[int, typer.Option(help="iteration whose stage to run")],
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="every log line of the stage")] = False,
+) -> None:
+    """Run one stage of one iteration as a process: read its inputs from the store, write its outputs
+    and manifest there. The stage launchers start this (under torchrun too); so can any scheduler."""
+    from tasks.launch import STAGES, register_stage_options, run_stage
+
+    if name not in STAGES:
+        _fail(f"unknown stage {name!r}; stages are {', '.join(STAGES)}")
+    _setup_logging(verbose)
+    register_stage_options(root)
+    run_stage(name, root, run_name, iteration)
 
 
 @app.command("eval")

@@ -19,11 +19,15 @@ logger = logging.getLogger(__name__)
 
 
 @flow(name="sdpo-iteration", log_prints=False)
-def sdpo_iteration(root: str, run: str, iteration: int) -> dict[str, Any]:
-    """Advance run `run` under `root` by iteration `iteration`; returns the iteration manifest."""
-    rollout = stages.rollout(root, run, iteration)
-    teacher = stages.teacher(root, run, iteration, rollout)
-    trained = stages.train(root, run, iteration, teacher)
+def sdpo_iteration(root: str, run: str, iteration: int, launch: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Advance run `run` under `root` by iteration `iteration`; returns the iteration manifest.
+
+    `launch` maps a stage to where it runs (`tasks.config.LaunchConfig` as a dict); absent: in this process.
+    """
+    launch = launch or {}
+    rollout = stages.rollout(root, run, iteration, launch.get("rollout"))
+    teacher = stages.teacher(root, run, iteration, rollout, launch.get("teacher"))
+    trained = stages.train(root, run, iteration, teacher, launch.get("train"))
     return stages.commit(root, run, iteration, [rollout, teacher, trained])
 
 
@@ -42,16 +46,17 @@ def complete_iteration(run: Any, tracker: Any, n: int) -> tuple[dict[str, float]
     from storage.stages import read_eval
 
     cfg, root, name = run.cfg, run.layout.root_url, run.layout.run_name
+    launch = cfg.launch.model_dump(mode="json")
     ran = False
     metrics: dict[str, float] = {}
     if n > 0:
         if (read_latest(run.layout) or 0) < n:
-            sdpo_iteration(root, name, n)
+            sdpo_iteration(root, name, n, launch)
             ran = True
         metrics.update(read_iteration_manifest(run.layout, n).data["metrics"])
     if eval_due(n, every=cfg.eval.every, last=cfg.iterations):
         evaluated = read_eval(run.layout, n)
-        metrics.update(evaluated if evaluated is not None else stages.evaluate(root, name, n))
+        metrics.update(evaluated if evaluated is not None else stages.evaluate(root, name, n, launch["eval"]))
     tracker.log_step(n, metrics)
     return metrics, ran
 

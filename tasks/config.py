@@ -307,6 +307,53 @@ class EvalConfig(_Section):
     top_p: float = Field(0.95, gt=0, le=1)
 
 
+class StageLaunch(_Section):
+    """How one stage's process is started; placement only, never a change to what it computes."""
+
+    launcher: Literal["inprocess", "subprocess", "torchrun"] = Field(
+        "inprocess",
+        description="inprocess: inside the flow's process; subprocess: a fresh `sdpo stage` process (its "
+        "crash cannot take the flow down); torchrun: `sdpo stage` under torchrun over nproc_per_node x nnodes ranks",
+    )
+    nproc_per_node: int = Field(1, ge=1, description="torchrun: processes on this node")
+    nnodes: int = Field(1, ge=1, description="torchrun: nodes taking part (each runs the same flow step)")
+    node_rank: int = Field(0, ge=0, description="torchrun: this node's rank among nnodes")
+    rdzv_endpoint: str | None = Field(
+        None, description="torchrun with nnodes > 1: host:port of the rendezvous (c10d), reachable from every node"
+    )
+    master_port: int | None = Field(None, ge=1, le=65535, description="torchrun on one node: fixed port (default: a free one)")
+
+    @model_validator(mode="after")
+    def _torchrun_fields(self) -> StageLaunch:
+        if self.launcher != "torchrun" and (self.nproc_per_node, self.nnodes) != (1, 1):
+            raise ValueError(f"nproc_per_node/nnodes need launcher='torchrun', not {self.launcher!r}")
+        if self.nnodes > 1 and not self.rdzv_endpoint:
+            raise ValueError(f"nnodes={self.nnodes} needs rdzv_endpoint (host:port reachable from every node)")
+        if self.node_rank >= self.nnodes:
+            raise ValueError(f"node_rank={self.node_rank} must be below nnodes={self.nnodes}")
+        return self
+
+
+class LaunchConfig(_Section):
+    """Where each stage runs. Not part of the run's frozen config: a run can move between machines
+    and launchers and resume, since every stage reads its inputs from the store and writes its outputs there."""
+
+    rollout: StageLaunch = StageLaunch()
+    teacher: StageLaunch = StageLaunch()
+    train: StageLaunch = StageLaunch()
+    eval: StageLaunch = StageLaunch()
+
+    @model_validator(mode="after")
+    def _torchrun_stages(self) -> LaunchConfig:
+        for stage in ("rollout", "eval"):
+            if getattr(self, stage).launcher == "torchrun":
+                raise ValueError(
+                    f"launch.{stage}.launcher='torchrun': sampling scales out through SGLang servers behind the "
+                    "router (rollout.engine=sglang), not torchrun; use inprocess or subprocess"
+                )
+        return self
+
+
 class RunConfig(_Section):
     """A whole SDPO (or baseline) run."""
 
@@ -324,6 +371,7 @@ class RunConfig(_Section):
     storage: StorageConfig = StorageConfig()
     tracking: TrackingConfig = TrackingConfig()
     eval: EvalConfig = EvalConfig()
+    launch: LaunchConfig = LaunchConfig()
 
     @model_validator(mode="after")
     def _cross_section(self) -> RunConfig:
@@ -343,6 +391,17 @@ class RunConfig(_Section):
             raise ValueError(
                 f"rollout.group_size={self.rollout.group_size}: GRPO advantages need groups of >= 2 answers"
             )
+        if self.launch.teacher.launcher == "torchrun" and self.teacher.backend != "megatron":
+            raise ValueError(
+                "launch.teacher.launcher='torchrun' needs teacher.backend='megatron' (the HF scorer runs in one process)"
+            )
+        for stage in ("teacher", "train"):
+            spec = getattr(self.launch, stage)
+            world = spec.nproc_per_node * spec.nnodes
+            if spec.launcher == "torchrun" and world % self.train.tensor_parallel:
+                raise ValueError(
+                    f"launch.{stage}: {world} ranks are not a multiple of train.tensor_parallel={self.train.tensor_parallel}"
+                )
         per_iter = self.data.prompts_per_iteration * self.rollout.group_size
         if per_iter % self.train.steps_per_iteration:
             raise ValueError(
@@ -414,7 +473,14 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
 
 
 def to_dict(cfg: RunConfig) -> dict[str, Any]:
-    """The fully resolved config as plain JSON-able data (what run.json stores)."""
+    """The fully resolved config of the experiment as plain JSON-able data (what run.json freezes).
+
+    The `launch` section (where stages run) is left out: placement never changes results."""
+    return cfg.model_dump(mode="json", exclude={"launch"})
+
+
+def full_dict(cfg: RunConfig) -> dict[str, Any]:
+    """Everything, placement included (what `sdpo validate` prints)."""
     return cfg.model_dump(mode="json")
 
 

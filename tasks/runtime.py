@@ -47,14 +47,17 @@ def run_layout(cfg: RunConfig) -> RunLayout:
 
 def start_run(cfg: RunConfig, layout: RunLayout, *, allow_config_change: bool = False) -> Run:
     """Create or open the run (refusing a changed config unless allowed), and sweep what crashed
-    processes left behind (temporary files of the store and the cache). Call it holding the run lock."""
+    processes left behind (temporary files of the store and the cache). Call it holding the run lock.
+    The returned run's config is the frozen one, with `cfg`'s placement (`launch`)."""
     from storage.layout import create_or_open_run
     from storage.scratch import sweep_local
     from tasks.config import to_dict
 
     create_or_open_run(layout, to_dict(cfg), allow_config_change=allow_config_change)
     sweep_local(cfg.storage.cache_dir, layout.local_dir)
-    return open_run(cfg.storage.root, cfg.name)
+    run = open_run(cfg.storage.root, cfg.name)
+    # The frozen config says what the run computes; where its stages run is this process's choice.
+    return Run(layout=run.layout, cfg=run.cfg.model_copy(update={"launch": cfg.launch}))
 
 
 def checkpoint_dir(run: Run, iteration: int, kind: str) -> Path:

@@ -73,8 +73,11 @@ def build_contexts(run: Run, columns: dict[str, Any]) -> tuple[list[Any], dict[s
     return contexts, metrics
 
 
-def run_teacher(root: str, run_name: str, iteration: int) -> dict:
-    """Teacher stage of `iteration`: returns its manifest (skips when already committed)."""
+def run_teacher(root: str, run_name: str, iteration: int) -> dict | None:
+    """Teacher stage of `iteration`: returns its manifest (skips when already committed).
+
+    Under torchrun (teacher.backend=megatron) every rank scores a data-parallel share of the
+    sequences, tensor parallel inside each share; rank 0 gathers and writes (the others return None)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -175,6 +178,8 @@ def run_teacher(root: str, run_name: str, iteration: int) -> dict:
     out["advantage"] = advantages.numpy().astype(np.float32).tolist()
     metrics["teacher/sample_mask_fraction"] = float(np.mean(masks)) if n_rows else 0.0
     metrics["teacher/stage_seconds"] = time.perf_counter() - started
+    if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
+        return None  # under torchrun every rank scored its share; rank 0 writes the stage
     return write_stage(
         run.layout,
         iteration,

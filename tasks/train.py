@@ -420,8 +420,9 @@ class MegatronTrainer:
         state["optimizer"] = self.optimizer.sharded_state_dict(state)
         dist_checkpointing.save(state, str(out_dir))
         crash_point("checkpoint.saving:megatron", iteration)
-        torch.save({"scheduler": self.scheduler.state_dict(), "iteration": iteration}, out_dir / "trainer_state.pt")
-        (out_dir / "cursor.json").write_text(json.dumps({"iteration": iteration}))
+        if torch.distributed.get_rank() == 0:  # the same on every rank
+            torch.save({"scheduler": self.scheduler.state_dict(), "iteration": iteration}, out_dir / "trainer_state.pt")
+            (out_dir / "cursor.json").write_text(json.dumps({"iteration": iteration}))
 
     def load_megatron(self, ckpt_dir: Path) -> None:
         """Restore what `save_megatron` wrote. The optimizer's template is built for loading
@@ -545,20 +546,60 @@ def update_teacher(run: Run, iteration: int, policy_dir: Path, out_dir: Path) ->
     return True
 
 
-def run_train(root: str, run_name: str, iteration: int) -> dict:
+def _shared_scratch(cache_dir: str, rank: int) -> Any:
+    """A scratch folder every rank writes into: rank 0 makes it, the others are told its path."""
+    import contextlib
+
+    import torch.distributed as dist
+
+    from storage.scratch import scratch_dir
+
+    @contextlib.contextmanager
+    def shared() -> Any:
+        if dist.get_world_size() == 1:
+            with scratch_dir(cache_dir, "ckpt") as path:
+                yield path
+            return
+        holder: list[Any] = [None]
+        with contextlib.ExitStack() as stack:
+            if rank == 0:
+                holder[0] = str(stack.enter_context(scratch_dir(cache_dir, "ckpt")))
+            dist.broadcast_object_list(holder, src=0)
+            yield Path(holder[0])
+            dist.barrier()  # nobody is still writing when rank 0 removes it
+
+    return shared()
+
+
+def _check_shared(folder: Path, world: int) -> None:
+    """Every rank left its marker in `folder`: the ranks share the file system the checkpoint needs."""
+    missing = [r for r in range(world) if not (folder / f".rank-{r}").exists()]
+    if missing:
+        raise RuntimeError(
+            f"ranks {missing} wrote their checkpoint shards somewhere rank 0 cannot see ({folder}): with "
+            "torchrun over several nodes, storage.cache_dir must be on a file system all nodes share"
+        )
+
+
+def run_train(root: str, run_name: str, iteration: int) -> dict | None:
     """Training stage of `iteration`: returns its manifest (skips when already committed).
 
     Its outputs are the checkpoints of `iteration` plus the stage manifest naming them, written
     last. Checkpoints found without that manifest come from an attempt that was killed; they are
     discarded and the iteration is trained again, which gives the same weights.
+
+    Under torchrun every rank trains (tensor x data parallel) and saves its share; rank 0 alone
+    discards, uploads and writes manifests, and returns the manifest (the other ranks return None).
     """
+    import torch.distributed as dist
+
     from storage.checkpoints import discard_checkpoint, resolve_checkpoint, upload_checkpoint
     from storage.faults import crash_point
     from storage.layout import CHECKPOINT_KINDS
     from storage.manifest import read_stage_manifest, stage_done
-    from storage.scratch import scratch_dir
     from storage.shards import read_stage_columns
     from storage.stages import write_stage_manifest
+    from tasks.megatron.parallel import init_parallel
     from tasks.runtime import checkpoint_dir, open_run
 
     run = open_run(root, run_name)
@@ -566,9 +607,13 @@ def run_train(root: str, run_name: str, iteration: int) -> dict:
     if stage_done(run.layout, iteration, "train"):
         logger.info("iteration %d training already committed; reusing it", iteration)
         return read_stage_manifest(run.layout, iteration, "train")
-    crash_point("stage.start:train", iteration)
-    for kind in CHECKPOINT_KINDS:
-        discard_checkpoint(run.layout, iteration, kind)
+    init_parallel(tensor_parallel=cfg.train.tensor_parallel, seed=cfg.seed)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if rank == 0:
+        crash_point("stage.start:train", iteration)
+        for kind in CHECKPOINT_KINDS:
+            discard_checkpoint(run.layout, iteration, kind)
+    dist.barrier()
 
     started = time.perf_counter()
     parent = read_stage_manifest(run.layout, iteration, "teacher")
@@ -579,34 +624,45 @@ def run_train(root: str, run_name: str, iteration: int) -> dict:
     metrics["train/seconds"] = time.perf_counter() - train_started
     tokens = float(sum(len(r) for r in columns["response_ids"]) + sum(len(p) for p in columns["prompt_ids"]))
     metrics["train/tokens_per_second"] = tokens / max(metrics["train/seconds"], 1e-9)
+    metrics["train/ranks"] = float(world)
     crash_point("train.trained", iteration)
 
     base_dir = checkpoint_dir(run, iteration - 1, "policy")
-    with scratch_dir(cfg.storage.cache_dir, "ckpt") as tmp_path:
+    with _shared_scratch(cfg.storage.cache_dir, rank) as tmp_path:
         policy_dir = tmp_path / "policy"
-        trainer.save_hf(policy_dir, base_dir)
-        policy_manifest = upload_checkpoint(
-            policy_dir,
-            run.layout,
-            iteration,
-            "policy",
-            parent=resolve_checkpoint(run.layout, iteration - 1, "policy"),
-            trained_on=[parent],
-        )
-        produced = [policy_manifest]
-        teacher_dir = tmp_path / "teacher"
-        if update_teacher(run, iteration, policy_dir, teacher_dir):
-            produced.append(
-                upload_checkpoint(teacher_dir, run.layout, iteration, "teacher", parent=policy_manifest, trained_on=[parent])
+        trainer.save_hf(policy_dir, base_dir)  # collective; rank 0 writes
+        produced = []
+        if rank == 0:
+            policy_manifest = upload_checkpoint(
+                policy_dir,
+                run.layout,
+                iteration,
+                "policy",
+                parent=resolve_checkpoint(run.layout, iteration - 1, "policy"),
+                trained_on=[parent],
             )
+            produced.append(policy_manifest)
+            teacher_dir = tmp_path / "teacher"
+            if update_teacher(run, iteration, policy_dir, teacher_dir):
+                produced.append(
+                    upload_checkpoint(teacher_dir, run.layout, iteration, "teacher", parent=policy_manifest, trained_on=[parent])
+                )
         last = iteration == cfg.iterations
         if last or iteration % cfg.train.megatron_checkpoint_every == 0:
             save_started = time.perf_counter()
             mdir = tmp_path / "megatron"
-            trainer.save_megatron(mdir, iteration=iteration)
-            produced.append(
-                upload_checkpoint(mdir, run.layout, iteration, "megatron", parent=policy_manifest, trained_on=[parent])
-            )
+            trainer.save_megatron(mdir, iteration=iteration)  # collective; every rank writes its shards
+            if world > 1:
+                (tmp_path / f".rank-{rank}").touch()
+                dist.barrier()
+            if rank == 0:
+                if world > 1:
+                    _check_shared(tmp_path, world)
+                produced.append(
+                    upload_checkpoint(mdir, run.layout, iteration, "megatron", parent=produced[0], trained_on=[parent])
+                )
             metrics["train/megatron_save_seconds"] = time.perf_counter() - save_started
+    if rank != 0:
+        return None
     metrics["train/stage_seconds"] = time.perf_counter() - started
     return write_stage_manifest(run.layout, iteration, "train", parents=[parent, *produced], metrics=metrics)

@@ -1,0 +1,96 @@
+"""Stage launchers: a stage in a fresh process or under torchrun leaves the run a stage in the flow's
+process would (bit for bit, or within float tolerance where ranks reorder sums)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.integration.runs import TINY, differences, fingerprint, write_config
+
+REPO = Path(__file__).resolve().parents[2]
+THREE = {**TINY, "iterations": 3, "eval": {"every": 2, "sampled_n": 2}}
+ALL_SUBPROCESS = {stage: {"launcher": "subprocess"} for stage in ("rollout", "teacher", "train", "eval")}
+
+
+def _run(tmp_path: Path, name: str, base: dict, **sections) -> object:
+    from flows.run import sdpo_run
+    from storage.layout import RunLayout
+    from tasks import rollout, train
+
+    train._TRAINERS.clear()
+    rollout._ENGINES.clear()
+    folder = tmp_path / name
+    sdpo_run(str(write_config(folder, "placed", root=str(folder / "runs"), base=base, **sections)), [])
+    return RunLayout(str(folder / "runs"), "placed")
+
+
+@pytest.fixture(scope="module")
+def inprocess(tmp_path_factory: pytest.TempPathFactory, prefect_server: str) -> dict:
+    return fingerprint(_run(tmp_path_factory.mktemp("inprocess"), "a", THREE))
+
+
+def test_subprocess_stages_equal_inprocess_stages_bit_for_bit(tmp_path, inprocess):
+    placed = fingerprint(_run(tmp_path, "b", THREE, launch=ALL_SUBPROCESS))
+    assert differences(inprocess, placed) == []
+
+
+def test_a_killed_stage_process_fails_the_stage_and_the_next_attempt_resumes(tmp_path, inprocess, monkeypatch):
+    from tasks.launch import StageProcessError
+
+    monkeypatch.setenv("SDPO_CRASH_AT", "checkpoint.committed:policy@2")  # inherited by the stage process
+    with pytest.raises(StageProcessError, match="stage train of iteration 2 .* exited with -9"):
+        _run(tmp_path, "c", THREE, launch={"train": {"launcher": "subprocess"}})
+    monkeypatch.delenv("SDPO_CRASH_AT")
+    resumed = fingerprint(_run(tmp_path, "c", THREE, launch={"train": {"launcher": "subprocess"}}))
+    assert differences(inprocess, resumed) == []
+
+
+def _weights(layout: object, iteration: int) -> dict:
+    from safetensors.torch import load_file
+
+    from storage.checkpoints import download_checkpoint
+
+    folder = download_checkpoint(layout, iteration, "policy", cache_dir=str(Path(layout.local_dir).parent / "cache"))
+    return load_file(str(folder / "model.safetensors"))
+
+
+def _max_difference(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+ONE = {**TINY, "iterations": 1, "eval": {"every": 0, "sampled_n": 2}}
+
+
+@pytest.mark.parametrize(
+    ("name", "sections"),
+    [
+        ("dp2", {"launch": {"train": {"launcher": "torchrun", "nproc_per_node": 2}}}),
+        (
+            "tp2",
+            {
+                "train": {**TINY["train"], "tensor_parallel": 2},
+                "teacher": {"backend": "megatron"},
+                "launch": {
+                    "train": {"launcher": "torchrun", "nproc_per_node": 2},
+                    "teacher": {"launcher": "torchrun", "nproc_per_node": 2},
+                },
+            },
+        ),
+    ],
+)
+def test_torchrun_stages_train_like_one_process(tmp_path, prefect_server, name, sections):
+    from storage.manifest import read_iteration_manifest
+
+    single = _run(tmp_path, "single", ONE)
+    spread = _run(tmp_path, name, ONE, **sections)
+    a, b = read_iteration_manifest(single, 1).data["metrics"], read_iteration_manifest(spread, 1).data["metrics"]
+    assert b["train/ranks"] == 2.0 and a["train/ranks"] == 1.0
+    assert b["train/loss"] == pytest.approx(a["train/loss"], rel=1e-5, abs=1e-7)
+    assert _max_difference(_weights(single, 1), _weights(spread, 1)) < 1e-5
