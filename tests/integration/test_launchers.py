@@ -94,3 +94,41 @@ def test_torchrun_stages_train_like_one_process(tmp_path, prefect_server, name, 
     assert b["train/ranks"] == 2.0 and a["train/ranks"] == 1.0
     assert b["train/loss"] == pytest.approx(a["train/loss"], rel=1e-5, abs=1e-7)
     assert _max_difference(_weights(single, 1), _weights(spread, 1)) < 1e-5
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_two_node_torchrun_on_loopback_runs_a_training_stage(tmp_path, prefect_server):
+    """Two launches of the train stage with nnodes=2, one rank each, meeting at a rendezvous on
+    127.0.0.1 (as two machines would): the stage commits, with the weights of one process."""
+    from storage.layout import RunLayout
+    from storage.manifest import read_stage_manifest, stage_done
+    from tasks.config import load_config
+    from tasks.launch import run_stage, stage_command
+    from tasks.runtime import run_layout, start_run
+
+    single = _run(tmp_path, "single", ONE)
+    # the same run again, its stages up to the teacher run here; its train stage on the two "nodes"
+    cfg = load_config(write_config(tmp_path / "staged", "placed", root=str(tmp_path / "staged" / "runs"), base=ONE))
+    start_run(cfg, run_layout(cfg))
+    for stage in ("prepare-base", "rollout", "teacher"):
+        run_stage(stage, cfg.storage.root, "placed", 1)
+    root = cfg.storage.root
+    endpoint = f"127.0.0.1:{_free_port()}"
+    spec = {"launcher": "torchrun", "nproc_per_node": 1, "nnodes": 2, "rdzv_endpoint": endpoint, "master_port": None}
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    nodes = [
+        subprocess.Popen(stage_command("train", root, "placed", 1, {**spec, "node_rank": rank}), cwd=REPO, env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for rank in (0, 1)
+    ]
+    outputs = [node.communicate(timeout=600)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], "\n".join(o[-3000:] for o in outputs)
+    done = RunLayout(root, "placed")
+    assert stage_done(done, 1, "train")
+    assert read_stage_manifest(done, 1, "train").data["metrics"]["train/ranks"] == 2.0
+    assert _max_difference(_weights(single, 1), _weights(done, 1)) < 1e-5
