@@ -1,9 +1,10 @@
 """Rollout engine backed by SGLang servers, spoken to over SGLang's native HTTP API.
 
 The client sends one `/generate` request per prompt carrying that prompt's `n` samples as a batch
-(one `sampling_params` entry per sample, each with its own `sampling_seed`), to the servers in
-turn or to one sglang-router URL, and turns the answers into the `Generation` rows the embedded
-engine returns. What it relies on, and how it maps SGLang's answer to this project's conventions:
+(one `sampling_params` entry per sample, each with its own `sampling_seed`) to the servers in
+turn, or one request per sample to an sglang-router URL (the router's `/generate` takes a single
+`sampling_params` object), and turns the answers into the `Generation` rows the embedded engine
+returns. What it relies on, and how it maps SGLang's answer to this project's conventions:
 
 - **Token ids** come from `meta_info.output_token_logprobs` (one `[logprob, id, text]` entry per
   generated token, stop token included). `output_ids` must agree with them, with or without the
@@ -497,27 +498,40 @@ class SGLangEngine:
             if temperature > 0:  # greedy needs no seed (and flashinfer rejects seeds with top_k=1)
                 p["sampling_seed"] = sample_seed(seed, prompt_index, j)
             params.append(p)
-        body = {
-            "input_ids": [prompt] * n,
-            "sampling_params": params,
+        common = {
             "return_logprob": True,
             "top_logprobs_num": top_k,
             "logprob_start_len": -1,
             "return_text_in_logprobs": False,
             "stream": False,
         }
+        if self._router_url is None:
+            bodies = [{"input_ids": [prompt] * n, "sampling_params": params, **common}]
+        else:  # the router's /generate takes one sampling_params object: one request per sample
+            bodies = [{"input_ids": prompt, "sampling_params": p, **common} for p in params]
         expected = self._weight_version
+
+        async def post(url: str, body: dict[str, Any]) -> list[Any]:
+            async with self._slots:
+                response = await self._attempt("POST", f"{url}/generate", json=body)
+            answer = response.json()
+            batch = len(body["sampling_params"]) if isinstance(body["sampling_params"], list) else None
+            if batch is None:
+                if not isinstance(answer, dict):
+                    raise SGLangProtocolError(
+                        f"{url}/generate answered a single request with {type(answer).__name__}"
+                    )
+                return [answer]
+            if not isinstance(answer, list) or len(answer) != batch:
+                raise SGLangProtocolError(
+                    f"{url}/generate answered a batch of {batch} with "
+                    f"{len(answer) if isinstance(answer, list) else type(answer).__name__}"
+                )
+            return answer
 
         async def attempt(_: int) -> list[Generation]:
             url = self._pick_url()
-            async with self._slots:
-                response = await self._attempt("POST", f"{url}/generate", json=body)
-            outputs = response.json()
-            if not isinstance(outputs, list) or len(outputs) != n:
-                raise SGLangProtocolError(
-                    f"{url}/generate answered a batch of {n} with "
-                    f"{len(outputs) if isinstance(outputs, list) else type(outputs).__name__}"
-                )
+            outputs = [out for answer in await asyncio.gather(*(post(url, b) for b in bodies)) for out in answer]
             return [
                 self._parse(out, url=url, expected_version=expected, stop_token_ids=stop_token_ids, top_k=top_k)
                 for out in outputs
