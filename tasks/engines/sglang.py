@@ -207,7 +207,7 @@ class SGLangEngine:
         self._thread.start()
         try:
             self._client = self._run(self._make_client())
-            self._run(self._wait_healthy([*self._urls, *([self._router_url] if self._router_url else [])]))
+            self._run(self._wait_healthy(self._urls, router=self._router_url))
             self._run(self._sync_weights(checkpoint_dir, force=False))
         except BaseException:
             self.close()
@@ -351,11 +351,16 @@ class SGLangEngine:
 
     # -- health and weights --------------------------------------------------------------------
 
-    async def _wait_healthy(self, urls: list[str]) -> None:
-        """Poll each server's /health until all answer 200, or fail after health_timeout_s."""
+    async def _wait_healthy(self, urls: list[str], *, router: str | None = None) -> None:
+        """Poll each server's /health until all answer 200, or fail after health_timeout_s.
+
+        The router answers /health as soon as it is up, before it has registered a worker (its
+        /generate then answers 503); its /health_generate answers 200 once it routes to one.
+        """
         timeout = self._config.health_timeout_s
         deadline = time.monotonic() + timeout
-        last: dict[str, str] = {url: "no answer yet" for url in urls}
+        paths = {url: "/health" for url in urls} | ({router: "/health_generate"} if router else {})
+        last: dict[str, str] = {url: "no answer yet" for url in paths}
 
         async def poll(url: str) -> None:
             while True:
@@ -363,7 +368,7 @@ class SGLangEngine:
                 if remaining <= 0:
                     return
                 try:
-                    response = await self._client.get(f"{url}/health", timeout=min(5.0, max(remaining, 0.05)))
+                    response = await self._client.get(f"{url}{paths[url]}", timeout=min(5.0, max(remaining, 0.05)))
                     if response.status_code == 200:
                         last.pop(url)
                         return
@@ -372,9 +377,11 @@ class SGLangEngine:
                     last[url] = f"{type(exc).__name__}: {exc}"
                 await asyncio.sleep(min(_HEALTH_POLL_S, max(deadline - time.monotonic(), 0)))
 
-        await asyncio.gather(*(poll(url) for url in urls))
+        await asyncio.gather(*(poll(url) for url in paths))
         if last:
-            details = "; ".join(f"{url} ({why})" for url, why in last.items())
+            details = "; ".join(
+                f"{url if paths[url] == '/health' else url + paths[url]} ({why})" for url, why in last.items()
+            )
             raise SGLangUnavailableError(
                 f"SGLang servers not healthy after {timeout:g}s (rollout.sglang.health_timeout_s): {details}"
             )

@@ -70,3 +70,29 @@ def test_two_servers_behind_the_router_serve_the_run_and_follow_every_weight_upd
     assert loaded.index(version(0)) < loaded.index(version(1)) < loaded.index(version(2)), loaded
     assert {Path(path).parent for path, _ in updates[0]} == {cache.resolve()}  # the cached checkpoint folders
     assert reported == [loaded[-1], loaded[-1]]  # each server reports the weights it was given last
+
+
+def test_the_client_waits_until_the_router_has_registered_its_workers(tmp_path):
+    """The router answers /health before it routes anywhere: with the worker healthy to the client
+    but not yet registered by the router, a first /generate would get the router's 503."""
+    import threading
+
+    from tasks.config import SGLangConfig
+    from tasks.engines.sglang import SGLangEngine, checkpoint_weight_version
+    from tests.integration.test_sglang_client import make_checkpoint
+    from tests.sglang_server.app import Fault
+
+    path = tmp_path / "policy"
+    tokenizer = make_checkpoint(path, seed=0)
+    with start_server(path, weight_version=checkpoint_weight_version(path),
+                      faults=[Fault("unhealthy", times=-1)]) as server:
+        with start_router([server.url], wait_for_workers=False) as router:
+            # the router's first registration attempts fail; it retries later with backoff
+            threading.Timer(2.0, server.faults.clear).start()
+            config = SGLangConfig(urls=[server.url], router_url=router.url, health_timeout_s=60, retries=0)
+            with SGLangEngine(config, str(path), router_url=router.url, check_logprobs=False) as engine:
+                prompt = tokenizer.encode("12+3=")
+                groups = engine.generate([prompt], n=2, temperature=1.0, top_p=1.0, max_new_tokens=3,
+                                         stop_token_ids=[], top_k_logprobs=2, seed=5)
+            assert [len(g) for g in groups] == [2]
+            assert server.faults.received["/generate"] == 2  # both samples went through the router

@@ -2,7 +2,7 @@
 
 `start_router` launches it as a child process on a free 127.0.0.1 port with the flags
 `infra/sglang/launch.sh` uses, and returns once the router answers `/health` and its `/workers`
-lists every worker as healthy.
+lists every worker as healthy (the router answers `/health` before it has registered any).
 """
 
 from __future__ import annotations
@@ -61,8 +61,11 @@ class RunningRouter:
         self.stop()
 
 
-def start_router(worker_urls: list[str], *, policy: str = "round_robin", timeout_s: float = 30.0) -> RunningRouter:
-    """Start the router for `worker_urls`; returns when it routes to all of them."""
+def start_router(
+    worker_urls: list[str], *, policy: str = "round_robin", timeout_s: float = 30.0, wait_for_workers: bool = True
+) -> RunningRouter:
+    """Start the router for `worker_urls`; returns when it routes to all of them (or, without
+    `wait_for_workers`, as soon as it answers /health)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -80,6 +83,8 @@ def start_router(worker_urls: list[str], *, policy: str = "round_robin", timeout
             raise RuntimeError(f"the router exited with {process.returncode}:\n{router.log()[-3000:]}")
         try:
             if httpx.get(f"{router.url}/health", timeout=2).status_code == 200:
+                if not wait_for_workers:
+                    return router
                 healthy = {w["url"] for w in router.workers() if w["is_healthy"]}
                 if healthy >= set(worker_urls):
                     return router
