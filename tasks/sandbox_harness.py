@@ -48,6 +48,7 @@ SOLUTION = "<solution>"
 TEST_FILES = ("<test>", "<test-setup>")
 _MAX_ERROR_CHARS = 2000
 _MAX_STDERR = 4096
+_OUTPUT_LIMIT = "Output Limit Exceeded"
 
 # Mount flags (linux/mount.h) and prctl options.
 _MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_REMOUNT, _MS_BIND, _MS_REC = 1, 2, 4, 32, 4096, 16384
@@ -231,7 +232,7 @@ class _Runner:
         stdout, over = _read_capped(f".stdout-{self.index}", self.output_limit)
         stderr, _ = _read_capped(f".stderr-{self.index}", _MAX_STDERR)
         if over or os.path.getsize(f".stdout-{self.index}") >= self.output_limit:
-            error = f"Output Limit Exceeded: the program wrote more than {self.output_limit} bytes"
+            error = f"{_OUTPUT_LIMIT}: the program wrote more than {self.output_limit} bytes"
         for name in ("stdin", "stdout", "stderr"):
             os.unlink(f".{name}-{self.index}")
         self.namespace = {}
@@ -254,7 +255,7 @@ class _Runner:
         except BaseException as exc:  # noqa: BLE001 -- the program's own errors are the test result
             status, error = "error", _describe(exc, self.source_lines)
         stdout, stderr, stream_error = self._end()
-        if stream_error and status == "ok":
+        if stream_error and (status == "ok" or stream_error.startswith(_OUTPUT_LIMIT)):
             status, error = "error", stream_error
         return {"status": status, "output": stdout, "error": error, "stderr": stderr}
 
@@ -280,8 +281,8 @@ class _Runner:
             status, error = "error", _describe(exc, self.source_lines)
         stdout, stderr, stream_error = self._end()
         if len(output) > self.output_limit:
-            stream_error, output = f"Output Limit Exceeded: the program wrote more than {self.output_limit} bytes", ""
-        if stream_error and status == "ok":
+            stream_error, output = f"{_OUTPUT_LIMIT}: the program wrote more than {self.output_limit} bytes", ""
+        if stream_error and (status == "ok" or stream_error.startswith(_OUTPUT_LIMIT)):
             status, error = "error", stream_error
         debug = (stdout + "\n" + stderr).strip() if stdout else stderr
         return {"status": status, "output": output, "error": error, "stderr": debug}
@@ -393,9 +394,11 @@ class _Judge:
         try:
             self.runner.send(request)
             answer = self.runner.receive()
-        except (OSError, ValueError):
+        except ValueError:
             self._stop_runner()
             raise _ProgramFailed("the program corrupted the sandbox's report channel") from None
+        except BrokenPipeError:
+            answer = None  # the runner is gone
         if answer is None:
             status = self._stop_runner()
             if os.WIFSIGNALED(status):
@@ -441,6 +444,8 @@ class _Judge:
                 exec(compile(self.job["setup"], "<test-setup>", "exec"), namespace)
             exec(compile(self.job["inputs"][index], "<test>", "exec"), namespace)
         except _ProgramFailed as exc:
+            if self.runner_status is not None:
+                raise  # the runner is gone: run() reports this test and skips the rest
             status, error = "error", str(exc)
         except AssertionError as exc:
             frames = traceback.extract_tb(exc.__traceback__)
