@@ -127,6 +127,10 @@ class VerifierConfig(_Section):
 
     name: Literal["arithmetic", "mcq", "tooluse", "function_call", "math", "code"] = "arithmetic"
     kwargs: dict[str, Any] = Field(default_factory=dict)
+    time_budget_s: float = Field(
+        10.0, gt=0, le=3600,
+        description="wall-clock seconds one answer may take to verify (not code: its sandbox has total_s)",
+    )
 
 
 class SGLangConfig(_Section):
