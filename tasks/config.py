@@ -7,7 +7,10 @@ A config is loaded from YAML plus dotted overrides::
 
     cfg = load_config("configs/demo.yaml", ["loss.alpha=0.5", "rollout.group_size=4"])
 
-Errors name the field and say what to change.
+Errors name the field (with file:line for a value from the YAML file) and say what to change.
+Every float must be finite. Credential-looking keys and URLs with a password are refused while
+loading, before the config is validated, printed or handed to anything, and the error names the
+key, never the value.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from tasks.config_source import ConfigError, read_yaml, refuse_credentials, verifier_parameters, where
+
 __all__ = [
     "ConfigError",
     "RunConfig",
@@ -30,12 +35,8 @@ __all__ = [
 ]
 
 
-class ConfigError(ValueError):
-    """A run config that cannot be used; the message names each bad field and the fix."""
-
-
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, allow_inf_nan=False)
 
 
 class BootstrapConfig(_Section):
@@ -131,6 +132,24 @@ class VerifierConfig(_Section):
         10.0, gt=0, le=3600,
         description="wall-clock seconds one answer may take to verify (not code: its sandbox has total_s)",
     )
+
+    @model_validator(mode="after")
+    def _kwargs_fit_the_verifier(self) -> VerifierConfig:
+        params = verifier_parameters(self.name)
+        unknown = sorted(set(self.kwargs) - set(params))
+        if unknown:
+            raise ValueError(
+                f"kwargs {unknown} are not arguments of the {self.name!r} verifier; it takes {sorted(params)}"
+            )
+        if self.name == "code":
+            from tasks.sandbox import SandboxLimits
+
+            limits = {k: v for k, v in self.kwargs.items() if k != "partial_credit"}
+            try:
+                SandboxLimits(**limits)
+            except (TypeError, ValueError) as err:
+                raise ValueError(f"kwargs: {err}") from None
+        return self
 
 
 class SGLangConfig(_Section):
@@ -242,6 +261,13 @@ class OptimizerConfig(_Section):
     schedule: Literal["constant", "cosine"] = "constant"
     warmup_steps: int = Field(0, ge=0)
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="cosine floor as a fraction of lr")
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_range(cls, betas: tuple[float, float]) -> tuple[float, float]:
+        if not all(0.0 <= b < 1.0 for b in betas):
+            raise ValueError(f"betas={list(betas)}: each must be in [0, 1), e.g. [0.9, 0.999]")
+        return betas
 
 
 class TrainConfig(_Section):
@@ -380,37 +406,42 @@ def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return out
 
 
-def _format_validation_error(err: ValidationError) -> str:
+def _format_validation_error(err: ValidationError, lines_of: dict[str, str]) -> str:
     lines = []
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"]) or "<root>"
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
-            msg = f"unknown key; remove it or check its spelling (value: {e['input']!r})"
-        lines.append(f"  {loc}: {msg}")
+            msg = "unknown key; remove it or check its spelling"
+        place = where(lines_of, loc)
+        lines.append(f"  {place + ': ' if place else ''}{loc}: {msg}")
     return "invalid run config:\n" + "\n".join(lines)
 
 
-def build_config(tree: dict[str, Any]) -> RunConfig:
-    """Validate a plain dict into a RunConfig, raising ConfigError with one line per bad field."""
+def build_config(tree: dict[str, Any], *, lines_of: dict[str, str] | None = None) -> RunConfig:
+    """Validate a plain dict into a RunConfig, raising ConfigError with one line per bad field.
+
+    `lines_of` maps dotted keys to the "file:line" they were read from (named in the errors)."""
     try:
         return RunConfig.model_validate(tree)
     except ValidationError as err:
-        raise ConfigError(_format_validation_error(err)) from None
+        raise ConfigError(_format_validation_error(err, lines_of or {})) from None
 
 
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> RunConfig:
-    """Load a YAML run config (or the defaults when `path` is None) and apply dotted overrides."""
+    """Load a YAML run config (or the defaults when `path` is None) and apply dotted overrides.
+
+    Credentials are refused (file and overrides) before anything else looks at the values."""
     tree: dict[str, Any] = {}
+    lines_of: dict[str, str] = {}
     if path is not None:
-        text = Path(path).read_text()
-        loaded = yaml.safe_load(text)
-        if loaded is None:
-            loaded = {}
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"{path}: the top level must be a mapping, got {type(loaded).__name__}")
-        tree = loaded
-    return build_config(apply_overrides(tree, overrides or []))
+        tree, lines_of = read_yaml(Path(path))
+    refuse_credentials(tree, places=lines_of)
+    for i, item in enumerate(overrides or [], start=1):
+        key = item.split("=", 1)[0].strip()
+        refuse_credentials(apply_overrides({}, [item]), places={key: f"override {i} ({key})"})
+        lines_of.pop(key, None)  # the value now comes from the override, not the file
+    return build_config(apply_overrides(tree, overrides or []), lines_of=lines_of)
 
 
 def to_dict(cfg: RunConfig) -> dict[str, Any]:
