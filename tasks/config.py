@@ -440,7 +440,7 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     for i, item in enumerate(overrides or [], start=1):
         key = item.split("=", 1)[0].strip()
         refuse_credentials(apply_overrides({}, [item]), places={key: f"override {i} ({key})"})
-        lines_of.pop(key, None)  # the value now comes from the override, not the file
+        lines_of[key] = f"override {i}"  # the value now comes from the override, not the file
     return build_config(apply_overrides(tree, overrides or []), lines_of=lines_of)
 
 
