@@ -91,10 +91,12 @@ def run(
     from rich.console import Console
 
     from tasks.config import ConfigError, load_config
+    from tasks.preflight import preflight
 
     _setup_logging(verbose)
-    try:
+    try:  # everything is checked before Prefect, MLflow or a run folder sees the config
         cfg = load_config(config, overrides or [])
+        preflight(cfg)
     except ConfigError as err:
         _fail(str(err))
     from flows.run import sdpo_run
@@ -113,13 +115,15 @@ def run(
 
 @app.command()
 def validate(config: ConfigArg, overrides: OverridesArg = None) -> None:
-    """Validate a config (with overrides) and print it fully resolved, defaults included."""
+    """Validate a config (with overrides, data and tokenizer checks) and print it fully resolved, defaults included."""
     import yaml
 
     from tasks.config import ConfigError, load_config, to_dict
+    from tasks.preflight import preflight
 
     try:
-        cfg = load_config(config, overrides or [])
+        cfg = load_config(config, overrides or [])  # credentials are refused here, so never printed
+        preflight(cfg)
     except ConfigError as err:
         _fail(str(err))
     typer.echo(yaml.safe_dump(to_dict(cfg), sort_keys=False))

@@ -48,11 +48,13 @@ def sdpo_run(
     from storage.manifest import read_latest
     from storage.urls import register_options
     from tasks.config import load_config, to_dict
+    from tasks.preflight import preflight
     from tasks.runtime import open_run
     from tasks.summary import RunSummary
     from tasks.tracking import Tracker
 
     cfg = load_config(config_path, overrides or [])
+    preflight(cfg)  # before the run lock: a run that cannot start leaves no run folder
     register_options(cfg.storage.root, cfg.storage.storage_options)
     layout = RunLayout(cfg.storage.root, cfg.name)
     root, name = cfg.storage.root, cfg.name
