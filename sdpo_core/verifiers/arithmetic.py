@@ -33,7 +33,7 @@ EXPECTED = "Expected:"
 FORMAT_ERROR = "Format error: the response must end with the answer as a whole number."
 TRUNCATED = "Truncated: the response hit the length limit before it ended. Reply with the number only."
 
-_FINAL_INTEGER = re.compile(r"([+-]?\d{1,1000})\s*\.?\s*\Z", re.ASCII)
+_FINAL_INTEGER = re.compile(r"(?<!\d)([+-]?\d{1,1000})\s*\.?\s*\Z", re.ASCII)
 _LABEL = re.compile(r"[+-]?\d+", re.ASCII)
 _MAX_TAIL_CHARS = 1100  # the longest integer answer (1000 digits) and the spacing after it
 _SHOWN_TAIL_CHARS = 20

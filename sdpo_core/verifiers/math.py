@@ -240,7 +240,7 @@ def _to_sympy_text(s: str) -> str | None:
                          ("\\exp", "exp"), ("\\sin", "sin"), ("\\cos", "cos"), ("\\tan", "tan")):
         s = s.replace(latex, plain)
     s = s.replace("{", "(").replace("}", ")").replace("^", "**")
-    if "\\" in s or len(s) > _MAX_SYMBOLIC_CHARS or _HUGE_LITERAL.search(s):
+    if not s.strip() or "\\" in s or len(s) > _MAX_SYMBOLIC_CHARS or _HUGE_LITERAL.search(s):
         return None
     if _SYMBOLIC_CHARS.fullmatch(s) is None or re.search(r"\.(?!\d)|(?<!\d)\.", s):
         return None
