@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from tasks.config_source import ConfigError, read_yaml, refuse_credentials, verifier_parameters, where
 
@@ -133,23 +133,24 @@ class VerifierConfig(_Section):
         description="wall-clock seconds one answer may take to verify (not code: its sandbox has total_s)",
     )
 
-    @model_validator(mode="after")
-    def _kwargs_fit_the_verifier(self) -> VerifierConfig:
-        params = verifier_parameters(self.name)
-        unknown = sorted(set(self.kwargs) - set(params))
+    @field_validator("kwargs")
+    @classmethod
+    def _kwargs_fit_the_verifier(cls, kwargs: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        name = info.data.get("name")
+        if name is None:  # the name itself is invalid: reported on its own
+            return kwargs
+        params = verifier_parameters(name)
+        unknown = sorted(set(kwargs) - set(params))
         if unknown:
-            raise ValueError(
-                f"kwargs {unknown} are not arguments of the {self.name!r} verifier; it takes {sorted(params)}"
-            )
-        if self.name == "code":
+            raise ValueError(f"{unknown} are not arguments of the {name!r} verifier; it takes {sorted(params)}")
+        if name == "code":
             from tasks.sandbox import SandboxLimits
 
-            limits = {k: v for k, v in self.kwargs.items() if k != "partial_credit"}
             try:
-                SandboxLimits(**limits)
+                SandboxLimits(**{k: v for k, v in kwargs.items() if k != "partial_credit"})
             except (TypeError, ValueError) as err:
-                raise ValueError(f"kwargs: {err}") from None
-        return self
+                raise ValueError(str(err)) from None
+        return kwargs
 
 
 class SGLangConfig(_Section):
