@@ -270,9 +270,16 @@ def test_the_process_level_is_refused_unless_named(monkeypatch):
     assert one("print('ok')", LEVELS["process"].values[0]).status == "ok"
 
 
+# Attempts per level; the guard-only check (opening a library directory) is not tried without the guard.
 ATTEMPTS = {
-    "reward hacks (assert suites)": len(REWARD_HACKS) * 2,
-    "reward hacks (stdin / functional suites)": 5 * 2 + 1,
-    "process-level escapes": 4 + 3 + 2 + 4 + 1,
-    "output and memory": 3,
+    "reward hacks on assert suites": len(REWARD_HACKS) * 2 * len(ALL),
+    "the same kinds on stdin and functional suites": (5 * 2 + 1) * len(ALL),
+    "process-level escapes": 14 * len(ALL) - 1,
+    "output and memory": 2 * len(ALL) + len(NAMESPACE_LEVELS),
 }
+
+
+def test_the_documented_counts_are_the_attempts_made_here():
+    table = (Path(__file__).resolve().parents[2] / "docs" / "tasks.md").read_text()
+    for what, tried in ATTEMPTS.items():
+        assert f"= {tried} | {tried}" in table, (what, tried)
