@@ -2,7 +2,7 @@
 back as test results, never as a crash or a hang of this process.
 
 Each escape test runs under every isolation level available here: namespaces with the Python guard,
-namespaces alone (the OS-level defences without the audit hook), and the plain-process fallback
+namespaces alone (the OS-level defences without the audit hook), and the opt-in plain-process level
 (rlimits plus the guard)."""
 
 from __future__ import annotations
