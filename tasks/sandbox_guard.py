@@ -23,7 +23,8 @@ _BLOCKED_MODULES = frozenset(
     {"ctypes", "_ctypes", "_posixsubprocess", "_xxsubinterpreters", "_testcapi", "_posixshmem", "_multiprocessing"}
 )
 # functions that create files or signal processes without raising an audit event
-_REMOVED_FUNCTIONS = ("mkfifo", "mknod", "pidfd_open", "setpriority", "fchdir", "fchmod", "fchown", "memfd_create")
+_REMOVED_FUNCTIONS = ("mkfifo", "mknod", "pidfd_open", "setpriority", "fchdir", "fchmod", "fchown", "memfd_create",
+                      "setsid", "setpgid", "setpgrp")  # the last three: leaving the sandbox's process group
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
 
 

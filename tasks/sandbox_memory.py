@@ -13,6 +13,7 @@ import contextlib
 import logging
 import os
 import secrets
+import signal
 import time
 from collections.abc import Iterator
 from functools import lru_cache
@@ -70,7 +71,8 @@ def memory_cgroup_parent() -> tuple[Path, int] | None:
 @contextlib.contextmanager
 def memory_cgroup(limit_mb: int) -> Iterator[Path | None]:
     """A fresh memory cgroup limited to `limit_mb` (swap included); yields its `cgroup.procs` file,
-    or None where cgroups are unavailable. Removed on exit, once its processes are gone."""
+    or None where cgroups are unavailable. On exit every process still in it is killed (so nothing
+    that left the sandbox's process group outlives the run) and the cgroup is removed."""
     parent = memory_cgroup_parent()
     if parent is None:
         yield None
@@ -92,6 +94,11 @@ def memory_cgroup(limit_mb: int) -> Iterator[Path | None]:
     finally:
         deadline = time.monotonic() + _REMOVE_WAIT_S
         while True:
+            for pid in (group / "cgroup.procs").read_text().split():  # e.g. a runner that left its group
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except ProcessLookupError:
+                    pass  # it exited meanwhile
             try:
                 group.rmdir()
                 break

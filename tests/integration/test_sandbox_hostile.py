@@ -223,6 +223,18 @@ def test_the_program_never_runs_as_root(limits):
     assert execution.status == "ok" and "0" not in (uid, euid, gid) and groups.strip() == "[]", execution
 
 
+@pytest.mark.parametrize("limits", ALL)
+def test_leaving_the_process_group_does_not_outlive_the_run(limits):
+    """The runner itself calls setsid and sleeps past the time limit: killing the process group
+    would miss it; the memory cgroup (or the pid namespace) does not."""
+    from tests.integration.test_sandbox import assert_no_leftovers, short
+
+    program = "import os, posix, time\ntry:\n    posix.setsid()\nexcept AttributeError:\n    pass\ntime.sleep(30)"
+    execution = one(program, short(limits))
+    assert execution.status in ("timeout", "error")
+    assert_no_leftovers()
+
+
 # -- output and memory ------------------------------------------------------------------------------
 @pytest.mark.parametrize("limits", ALL)
 def test_a_gigabyte_of_output_gets_an_output_limit_verdict_quickly(limits):
@@ -274,7 +286,7 @@ def test_the_process_level_is_refused_unless_named(monkeypatch):
 ATTEMPTS = {
     "reward hacks on assert suites": len(REWARD_HACKS) * 2 * len(ALL),
     "the same kinds on stdin and functional suites": (5 * 2 + 1) * len(ALL),
-    "process-level escapes": 14 * len(ALL) - 1,
+    "process-level escapes": 15 * len(ALL) - 1,
     "output and memory": 2 * len(ALL) + len(NAMESPACE_LEVELS),
 }
 
