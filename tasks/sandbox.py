@@ -57,7 +57,7 @@ logger = logging.getLogger(__name__)
 
 Isolation = Literal["auto", "namespace", "process"]
 _HARNESS = Path(__file__).with_name("sandbox_harness.py")
-_HARNESS_FILES = (_HARNESS, _HARNESS.with_name("sandbox_guard.py"), _HARNESS.with_name("sandbox_codec.py"))
+_HARNESS_FILES = (_HARNESS, *(_HARNESS.with_name(f"sandbox_{name}.py") for name in ("guard", "codec", "runner")))
 _WORKDIR_IN_ROOT = "/sandbox"
 _UID_RANGE = (200_000, 260_000)  # unprivileged uids no account uses; a random one per run
 _STARTUP_GRACE_S = 5.0  # interpreter start before the first test; counts against total_s only
@@ -284,7 +284,7 @@ def run_program(program: str, suite: TestSuite, *, limits: SandboxLimits = Sandb
 
 def _write_job(folder: Path, job: dict) -> None:
     """The job (readable by root only: the runner drops its uid before the judge reads it) and the
-    harness with its two modules."""
+    harness with its modules."""
     (folder / "job.json").write_text(json.dumps(job), encoding="utf-8")
     os.chmod(folder / "job.json", 0o400)
     for source in _HARNESS_FILES:

@@ -1,8 +1,9 @@
-"""Plain values across the code sandbox's runner/judge boundary (see tasks/sandbox_harness.py).
+"""Plain values, and the JSON-lines channel that carries them, across the code sandbox's runner/judge boundary (see tasks/sandbox_harness.py).
 Standard library only: copied into the sandbox beside the harness and imported there as
 `sandbox_codec`; the pipeline's tests import it as `tasks.sandbox_codec`."""
 
 import json
+import os
 
 class CodecError(TypeError):
     """A value that is not made of plain types (or too deep / too large to pass)."""
@@ -75,3 +76,37 @@ def to_json(value):
 
     check(value, 0)
     return json.dumps(value)
+
+
+class Channel:
+    """JSON lines over a pair of pipes, read linearly, each message at most `max_bytes`."""
+
+    def __init__(self, read_fd, write_fd, max_bytes):
+        self.read_fd, self.write_fd, self.max_bytes = read_fd, write_fd, max_bytes
+        self.buffer, self.scanned = bytearray(), 0
+
+    def send(self, message):
+        data = (json.dumps(message) + "\n").encode()
+        view = memoryview(data)
+        while view:
+            view = view[os.write(self.write_fd, view):]
+
+    def receive(self):
+        """The next message, or None at end of file; ValueError for an oversized or unreadable one."""
+        while True:
+            end = self.buffer.find(b"\n", self.scanned)
+            if end >= 0:
+                line = bytes(self.buffer[:end])
+                del self.buffer[: end + 1]
+                self.scanned = 0
+                message = json.loads(line)
+                if not isinstance(message, dict):
+                    raise ValueError("not a JSON object")
+                return message
+            self.scanned = len(self.buffer)
+            if len(self.buffer) > self.max_bytes:
+                raise ValueError(f"a message over {self.max_bytes} bytes")
+            chunk = os.read(self.read_fd, 1 << 20)
+            if not chunk:
+                return None
+            self.buffer += chunk

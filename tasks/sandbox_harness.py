@@ -1,7 +1,8 @@
 """The program that runs inside the code sandbox (see tasks/sandbox.py). Standard library only.
 
-`tasks.sandbox` copies this file into the sandbox and starts it with `python -I -S -B`; it is never
-imported by the pipeline. Two phases:
+`tasks.sandbox` copies this file into the sandbox, with sandbox_runner.py (the runner),
+sandbox_codec.py (plain values and the channel) and sandbox_guard.py (the audit hook) beside it,
+and starts it with `python -I -S -B`; it is never imported by the pipeline. Two phases:
 
 - `setup CONFIG_JSON` (namespace isolation only, run as root inside fresh network / mount / pid /
   ipc / uts namespaces made by `unshare`): joins the sandbox's memory cgroup, builds a minimal root
@@ -9,8 +10,8 @@ imported by the pipeline. Two phases:
   tmpfs as the working directory), chroots into it, opens the job file (readable by root only),
   drops to an unprivileged uid with no_new_privs, closes every other descriptor and execs the
   `run` phase in a clean interpreter.
-- `run JOB RESULT_FD GUARD UID LIMITS_JSON`: the judge. It applies the resource limits and, before it reads
-  the job, forks the runner, the only process that executes the program. The judge holds the
+- `run JOB RESULT_FD GUARD UID LIMITS_JSON`: the judge. It applies the resource limits and,
+  before it reads the job, forks the runner, the only process that executes the program. The judge holds the
   report pipe to the parent; the runner holds none of it (every other descriptor is closed, and the
   judge is not dumpable, so the runner cannot reach its descriptors through /proc or ptrace). JOB
   is a descriptor number (namespace isolation) or a path readable by root only (process
@@ -22,33 +23,27 @@ parent, one JSON line per event: {"event": "start", "index": i} before a test an
 data only: standard output (stdin tests), the JSON text of a return value (functional tests, judged
 by the parent), or plain values. An `assert` test's code runs in the judge, never in the runner's
 interpreter: the names the program defines are proxies there, each call goes to the runner and its
-result comes back as a plain value (`encode` / `decode` below), so the program cannot exit the test
+result comes back as a plain value (sandbox_codec), so the program cannot exit the test
 run with success, replace the test's functions or builtins, return an object that equals
 everything, or read the test code (the runner was forked before the judge read the job).
 """
 
 import builtins
-import gc
-import io
 import json
 import os
 import resource
 import signal
 import sys
 import traceback
-import typing
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the two modules copied beside this file
-from sandbox_codec import CodecError, decode, encode, to_json  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the modules copied beside this file
+from sandbox_codec import Channel, CodecError, decode, encode  # noqa: E402
 from sandbox_guard import install_guard  # noqa: E402
+from sandbox_runner import Runner, describe  # noqa: E402
 
 del sys.path[0]  # the sandbox's root folder: not a place the program may read from
 
-SOLUTION = "<solution>"
 TEST_FILES = ("<test>", "<test-setup>")
-_MAX_ERROR_CHARS = 2000
-_MAX_STDERR = 4096
-_OUTPUT_LIMIT = "Output Limit Exceeded"
 
 # Mount flags (linux/mount.h) and prctl options.
 _MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_REMOUNT, _MS_BIND, _MS_REC = 1, 2, 4, 32, 4096, 16384
@@ -117,217 +112,6 @@ def setup(config):
     os.execve(python, argv, config["env"])
 
 
-# -- helpers --------------------------------------------------------------------------------------
-def _describe(exc, source_lines):
-    """'Type: message' plus the innermost line of the solution it came from."""
-    try:  # str() of an exception runs the program's code; anything may happen there
-        message = str(exc)
-    except BaseException:  # noqa: BLE001 -- the sandbox boundary reports whatever the program raised
-        message = "<unprintable message>"
-    head = f"{type(exc).__name__}: {message}" if message else type(exc).__name__
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename == SOLUTION]
-    if frames:
-        f = frames[-1]
-        line = source_lines[f.lineno - 1].strip() if 0 < (f.lineno or 0) <= len(source_lines) else ""
-        head += f"\nLine {f.lineno} in {f.name}" + (f": {line}" if line else "")
-    return head[:_MAX_ERROR_CHARS]
-
-
-def _exit_text(exc):
-    return f"the program called exit() during a test (SystemExit: {exc.code!r}); a test only passes by finishing"
-
-
-def _redirect(fd, path, flags):
-    new = os.open(path, flags, 0o600)
-    if new != fd:  # the program may have closed `fd`, in which case open() reused its number
-        os.dup2(new, fd)
-        os.close(new)
-
-
-def _text_stream(fd, mode):
-    raw = io.FileIO(fd, mode, closefd=False)
-    buffered = io.BufferedReader(raw) if mode == "r" else io.BufferedWriter(raw)
-    return io.TextIOWrapper(buffered, encoding="utf-8", errors="replace")
-
-
-def _read_capped(path, limit):
-    with open(path, "rb") as f:
-        data = f.read(limit + 1)
-    return data[:limit].decode("utf-8", "replace"), len(data) > limit
-
-
-class _Channel:
-    """JSON lines over a pair of pipes, read linearly, each message at most `max_bytes`."""
-
-    def __init__(self, read_fd, write_fd, max_bytes):
-        self.read_fd, self.write_fd, self.max_bytes = read_fd, write_fd, max_bytes
-        self.buffer, self.scanned = bytearray(), 0
-
-    def send(self, message):
-        data = (json.dumps(message) + "\n").encode()
-        view = memoryview(data)
-        while view:
-            view = view[os.write(self.write_fd, view):]
-
-    def receive(self):
-        """The next message, or None at end of file; ValueError for an oversized or unreadable one."""
-        while True:
-            end = self.buffer.find(b"\n", self.scanned)
-            if end >= 0:
-                line = bytes(self.buffer[:end])
-                del self.buffer[: end + 1]
-                self.scanned = 0
-                message = json.loads(line)
-                if not isinstance(message, dict):
-                    raise ValueError("not a JSON object")
-                return message
-            self.scanned = len(self.buffer)
-            if len(self.buffer) > self.max_bytes:
-                raise ValueError(f"a message over {self.max_bytes} bytes")
-            chunk = os.read(self.read_fd, 1 << 20)
-            if not chunk:
-                return None
-            self.buffer += chunk
-
-
-# -- the runner (forked by the judge before the job is read; the only process running the program) --
-class _Runner:
-    def __init__(self, channel, output_limit):
-        self.channel, self.output_limit = channel, output_limit
-        self.code, self.source_lines, self.namespace, self.index = None, [], {}, -1
-
-    def serve(self):
-        while (request := self.channel.receive()) is not None:
-            self.channel.send(getattr(self, "op_" + request["op"])(request))
-
-    def op_program(self, request):
-        self.source_lines = request["code"].splitlines()
-        try:
-            self.code = compile(request["code"], SOLUTION, "exec")
-        except (SyntaxError, ValueError, MemoryError, RecursionError, OverflowError) as exc:
-            detail = _describe(exc, self.source_lines)
-            if isinstance(exc, SyntaxError) and exc.lineno:
-                detail = f"SyntaxError: {exc.msg}\nLine {exc.lineno}: {(exc.text or '').strip()}"
-            return {"error": detail}
-        return {}
-
-    def _begin(self, index, stdin_text):
-        self.index = index
-        with open(f".stdin-{index}", "w", encoding="utf-8") as f:
-            f.write(stdin_text)
-        _redirect(0, f".stdin-{index}", os.O_RDONLY)
-        _redirect(1, f".stdout-{index}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-        _redirect(2, f".stderr-{index}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-        sys.stdin, sys.stdout, sys.stderr = _text_stream(0, "r"), _text_stream(1, "w"), _text_stream(2, "w")
-
-    def _end(self):
-        """(stdout, stderr, error): the captured streams; error when they could not be written."""
-        error = ""
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except BaseException as exc:  # noqa: BLE001 -- e.g. output past RLIMIT_FSIZE, or a closed stream
-                error = error or f"could not write the output: {type(exc).__name__}: {exc}"
-        sys.stdout = sys.stderr = sys.stdin = None
-        stdout, over = _read_capped(f".stdout-{self.index}", self.output_limit)
-        stderr, _ = _read_capped(f".stderr-{self.index}", _MAX_STDERR)
-        if over or os.path.getsize(f".stdout-{self.index}") >= self.output_limit:
-            error = f"{_OUTPUT_LIMIT}: the program wrote more than {self.output_limit} bytes"
-        for name in ("stdin", "stdout", "stderr"):
-            os.unlink(f".{name}-{self.index}")
-        self.namespace = {}
-        gc.collect()
-        return stdout, stderr, error
-
-    @staticmethod
-    def _fresh_namespace(name):
-        return {"__name__": name, "__builtins__": builtins}
-
-    def op_stdin(self, request):
-        self._begin(request["index"], request["input"])
-        self.namespace = self._fresh_namespace("__main__")
-        status, error = "ok", ""
-        try:
-            exec(self.code, self.namespace)
-        except SystemExit as exc:  # exit() after printing the answer is normal for stdin programs
-            if exc.code not in (None, 0):
-                status, error = "error", f"SystemExit: exit status {exc.code!r}"
-        except BaseException as exc:  # noqa: BLE001 -- the program's own errors are the test result
-            status, error = "error", _describe(exc, self.source_lines)
-        stdout, stderr, stream_error = self._end()
-        if stream_error and (status == "ok" or stream_error.startswith(_OUTPUT_LIMIT)):
-            status, error = "error", stream_error
-        return {"status": status, "output": stdout, "error": error, "stderr": stderr}
-
-    def op_functional(self, request):
-        self._begin(request["index"], "")
-        self.namespace = self._fresh_namespace("solution")
-        self.namespace.update({name: getattr(typing, name) for name in typing.__all__})  # LeetCode starter code
-        status, output, error = "ok", "", ""
-        try:
-            exec(self.code, self.namespace)
-            target = self.namespace.get("Solution")
-            if isinstance(target, type):
-                target = getattr(target(), request["fn_name"], None)
-            else:
-                target = self.namespace.get(request["fn_name"])
-            if not callable(target):
-                raise NameError(f"the program defines no function or Solution method named {request['fn_name']!r}")
-            args = [json.loads(line) for line in request["input"].split("\n") if line.strip()]
-            output = to_json(target(*args))
-        except SystemExit as exc:
-            status, error = "error", _exit_text(exc)
-        except BaseException as exc:  # noqa: BLE001
-            status, error = "error", _describe(exc, self.source_lines)
-        stdout, stderr, stream_error = self._end()
-        if len(output) > self.output_limit:
-            stream_error, output = f"{_OUTPUT_LIMIT}: the program wrote more than {self.output_limit} bytes", ""
-        if stream_error and (status == "ok" or stream_error.startswith(_OUTPUT_LIMIT)):
-            status, error = "error", stream_error
-        debug = (stdout + "\n" + stderr).strip() if stdout else stderr
-        return {"status": status, "output": output, "error": error, "stderr": debug}
-
-    def op_load(self, request):
-        """Run the program for an assert test; returns the names it defines (callables as proxies)."""
-        self._begin(request["index"], "")
-        self.namespace = self._fresh_namespace("__main__")
-        try:
-            exec(self.code, self.namespace)
-        except SystemExit as exc:
-            return {"error": _exit_text(exc)}
-        except BaseException as exc:  # noqa: BLE001
-            return {"error": _describe(exc, self.source_lines)}
-        names = {}
-        for name, value in list(self.namespace.items()):
-            if name.startswith("__") or isinstance(value, type(sys)):
-                continue
-            if callable(value):
-                names[name] = "callable"
-            else:
-                try:
-                    names[name] = ["value", encode(value)]
-                except (TypeError, ValueError, RecursionError):
-                    continue  # a value the tests cannot use as such
-        return {"names": names}
-
-    def op_call(self, request):
-        try:
-            args, kwargs = decode(request["args"]), decode(request["kwargs"])
-            value = self.namespace[request["name"]](*args, **kwargs)
-            return {"value": encode(value)}
-        except SystemExit as exc:
-            return {"error": _exit_text(exc), "type": "SystemExit"}
-        except CodecError as exc:
-            return {"error": f"{request['name']}() returned {exc}", "type": "TypeError"}
-        except BaseException as exc:  # noqa: BLE001
-            return {"error": _describe(exc, self.source_lines), "type": type(exc).__name__}
-
-    def op_finish(self, request):
-        stdout, stderr, error = self._end()
-        debug = (stdout + "\n" + stderr).strip() if stdout else stderr
-        return {"stderr": debug, "error": error}
-
-
 def _drop_to(uid):
     """Process isolation as root: keep the standard library importable through descriptors opened
     now (its folders may not be readable by `uid`), then become `uid`."""
@@ -350,7 +134,7 @@ def _start_runner(guard, uid, output_limit):
     if pid:
         os.close(to_runner[0])
         os.close(from_runner[1])
-        return _Channel(from_runner[0], to_runner[1], max_bytes=4 * output_limit + (1 << 20)), pid
+        return Channel(from_runner[0], to_runner[1], max_bytes=4 * output_limit + (1 << 20)), pid
     start = 3
     for fd in sorted((to_runner[0], from_runner[1])):
         os.closerange(start, fd)  # the report pipe, the job and the judge's ends: out of the program's reach
@@ -361,8 +145,8 @@ def _start_runner(guard, uid, output_limit):
     if guard == "guard":
         stdlib = [p for p in sys.path if p]
         install_guard(workdir=os.getcwd(), read_roots=stdlib + ["/dev/null", "/dev/zero", "/dev/urandom"])
-    channel = _Channel(to_runner[0], from_runner[1], max_bytes=1 << 40)
-    _Runner(channel, output_limit).serve()
+    channel = Channel(to_runner[0], from_runner[1], max_bytes=1 << 40)
+    Runner(channel, output_limit).serve()
     os._exit(0)
 
 
@@ -450,9 +234,9 @@ class _Judge:
         except AssertionError as exc:
             frames = traceback.extract_tb(exc.__traceback__)
             status = "failed" if frames and frames[-1].filename in TEST_FILES else "error"
-            error = _describe(exc, [])
+            error = describe(exc, [])
         except BaseException as exc:  # noqa: BLE001 -- the test code failed on what the program returned
-            status, error = "error", self.failure or _describe(exc, [])
+            status, error = "error", self.failure or describe(exc, [])
         finished = self.ask({"op": "finish"})
         if finished["error"] and status == "ok":
             status, error = "error", str(finished["error"])

@@ -146,7 +146,7 @@ def test_the_namespace_root_holds_no_repository_home_or_tmp(limits):
         assert execution.status == "error" and "not allowed" in execution.error
         return
     listing, where = execution.output.splitlines()
-    assert set(json.loads(listing.replace("'", '"'))) <= {"bin", "dev", "harness.py", "job.json", "lib", "lib64", "root", "sandbox_codec.py", "sandbox_guard.py",
+    assert set(json.loads(listing.replace("'", '"'))) <= {"bin", "dev", "harness.py", "job.json", "lib", "lib64", "root", "sandbox_codec.py", "sandbox_guard.py", "sandbox_runner.py",
                                                           "sandbox", "sbin", "usr"}
     cwd, uid = where.split()
     assert cwd == "/sandbox" and _UID_RANGE[0] <= int(uid) < _UID_RANGE[1]
