@@ -1,8 +1,9 @@
 """Every verifier on adversarial answers: no exception but a label error, no call over its time bound.
 
 The named inputs are the ones that stalled or crashed the verifiers before they were bounded; the
-fuzz test (hypothesis) mixes their building blocks at random. `MAX_CALL_S` is far above what a
-bounded verifier needs (milliseconds) and far below what the unbounded ones took (14 s to never)."""
+fuzz test (hypothesis) mixes their building blocks at random. `MAX_CALL_S` (CPU seconds) is far
+above what a bounded verifier needs (milliseconds) and far below what the unbounded ones took (14 s
+to never)."""
 
 from __future__ import annotations
 
@@ -63,9 +64,9 @@ HOSTILE = {
 
 
 def timed(verify, text: str) -> Verdict:
-    started = time.perf_counter()
+    started = time.process_time()  # CPU time of this process: other work on a shared machine does not count
     verdict = verify(text)
-    elapsed = time.perf_counter() - started
+    elapsed = time.process_time() - started
     assert elapsed < MAX_CALL_S, f"{elapsed:.2f} s"
     assert isinstance(verdict, Verdict) and 0.0 <= verdict.reward <= 1.0
     return verdict
@@ -106,9 +107,9 @@ def test_the_react_parser_is_linear():
     """Doubling the input must not quadruple the time (the old parser copied the rest per step)."""
     def seconds(n):
         text = "Thought: go\nAction: search\n" * n + 'Action Input: {"q": "x"}\n' * n
-        started = time.perf_counter()
+        started = time.process_time()
         tooluse.parse_react_steps(text)
-        return time.perf_counter() - started
+        return time.process_time() - started
 
     small, large = seconds(2_000), seconds(8_000)
     assert large < 8 * small + 0.05, (small, large)  # 4x the input: about 4x the time, never 16x
