@@ -236,6 +236,37 @@ def verify(
     raise typer.Exit(1)
 
 
+@app.command()
+def gc(
+    run_name: Annotated[str, typer.Argument(help="run name")],
+    root: Annotated[str, typer.Option(help="run root (path or URL)")] = "runs",
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="print the plan, delete nothing")] = False,
+) -> None:
+    """Apply the run's checkpoint retention (storage.retention): keep what it says and what a resume
+    needs, remove the files of the rest (manifests stay, so lineage and verify still check them)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from storage.lock import RunLock
+    from tasks.runtime import apply_retention, open_run
+
+    run = open_run(root, run_name)
+    if dry_run:
+        decisions = apply_retention(run, dry_run=True)
+    else:
+        with RunLock(run.layout, lease_seconds=run.cfg.storage.lock_lease_seconds):
+            decisions = apply_retention(run)
+    table = Table(title=f"retention of {run.layout.run_url}" + (" (dry run)" if dry_run else ""))
+    for column in ("iteration", "kind", "MiB", "decision", "why"):
+        table.add_column(column)
+    for d in decisions:
+        table.add_row(str(d.iteration), d.kind, f"{d.bytes / 2**20:.1f}", "keep" if d.keep else "prune", d.reason)
+    console = Console()
+    console.print(table)
+    freed = sum(d.bytes for d in decisions if not d.keep)
+    console.print(f"{'would free' if dry_run else 'freed'} {freed / 2**20:.1f} MiB")
+
+
 @app.command("stage")
 def stage_command(
     name: Annotated[str, typer.Argument(help="prepare-base | rollout | teacher | train | commit | eval")],

@@ -37,6 +37,7 @@ class Report:
     files: int = 0
     bytes: int = 0
     uncommitted: list[str] = field(default_factory=list)
+    pruned: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -146,7 +147,7 @@ def verify_run(layout: RunLayout, *, progress: Callable[[int], None] = lambda _:
         return report
     _check_run_json(layout, report)
     _check_latest(layout, report)
-    manifests: list[str] = []
+    manifests: list[tuple[str, str | None]] = []  # (manifest URL, tombstone URL for checkpoints)
     for n in layout.iterations():
         if layout.store.exists(layout.iteration_manifest(n)):
             if (it := _manifest(layout, layout.iteration_manifest(n), report)) is not None:
@@ -156,13 +157,16 @@ def verify_run(layout: RunLayout, *, progress: Callable[[int], None] = lambda _:
                 for kind, ref in it.data["checkpoints"].items():
                     _check_ref(layout, ref, owner, report, f"checkpoint {kind}")
                 _check_ref(layout, it.data["previous"], owner, report, "previous iteration")
-        manifests += [layout.stage_manifest(n, s) for s in STAGES]
+        manifests += [(layout.stage_manifest(n, s), None) for s in STAGES]
     for n in layout.checkpoint_iterations():
-        manifests += [layout.checkpoint_manifest(n, k) for k in CHECKPOINT_KINDS]
-    for url in manifests:
+        manifests += [(layout.checkpoint_manifest(n, k), layout.checkpoint_tombstone(n, k)) for k in CHECKPOINT_KINDS]
+    for url, tombstone in manifests:
         folder = url.removesuffix("/" + MANIFEST_NAME)
         if layout.store.exists(url):
             if (manifest := _manifest(layout, url, report)) is not None:
+                if tombstone is not None and layout.store.exists(tombstone):
+                    report.pruned.append(folder)  # retention removed the files; the manifest still counts
+                    continue
                 _check_files(layout, manifest, report, progress)
         elif layout.store.list_files(folder):
             report.uncommitted.append(folder)

@@ -281,6 +281,24 @@ class TrainConfig(_Section):
         return self
 
 
+class KeepRuleConfig(_Section):
+    """Keep a checkpoint when any clause holds; no clause at all keeps every checkpoint."""
+
+    last: int | None = Field(None, ge=1, description="the last N iterations")
+    every: int | None = Field(None, ge=1, description="every M-th iteration")
+    best: str | None = Field(None, description="the iteration with the highest value of this eval metric, e.g. eval/greedy_accuracy")
+
+
+class RetentionConfig(_Section):
+    """Which checkpoints keep their files after each commit (`sdpo gc RUN --dry-run` shows the plan).
+    What a resume or the next iteration reads is always kept (storage/retention.py)."""
+
+    resumable: KeepRuleConfig = Field(
+        KeepRuleConfig(), description="full training state (weights, Adam, schedule: ~16 bytes per parameter)"
+    )
+    weights: KeepRuleConfig = Field(KeepRuleConfig(), description="HF policy and teacher weights")
+
+
 class StorageConfig(_Section):
     root: str = Field("runs", description="run root: a local path, file://, s3:// or memory:// URL")
     storage_options: dict[str, Any] = Field(
@@ -291,6 +309,10 @@ class StorageConfig(_Section):
     logprob_dtype: Literal["float32", "float16"] = "float32"
     lock_lease_seconds: int = Field(
         3600, ge=10, description="a run lock older than this (and not renewed) may be taken over"
+    )
+    retention: RetentionConfig = RetentionConfig()
+    cache_max_gb: float | None = Field(
+        None, gt=0, description="bound the local checkpoint cache: least recently used checkpoints are evicted"
     )
 
 

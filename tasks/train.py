@@ -461,8 +461,11 @@ def full_state_iteration(run: Run, iteration: int) -> int:
     from storage.checkpoints import checkpoint_exists
     from storage.manifest import stage_done
 
+    from storage.retention import is_pruned
+
     for m in range(iteration, 0, -1):
-        if stage_done(run.layout, m, "train") and checkpoint_exists(run.layout, m, "megatron"):
+        committed = stage_done(run.layout, m, "train") and checkpoint_exists(run.layout, m, "megatron")
+        if committed and not is_pruned(run.layout, m, "megatron"):
             return m
     return 0
 
@@ -479,7 +482,8 @@ def restore_trainer(run: Run, iteration: int) -> MegatronTrainer:
     from tasks.runtime import checkpoint_dir
 
     start = full_state_iteration(run, iteration)
-    trainer = MegatronTrainer(run.cfg, checkpoint_dir(run, start, "policy"))
+    # The base model gives the architecture (and the weights when start = 0); retention never prunes it.
+    trainer = MegatronTrainer(run.cfg, checkpoint_dir(run, 0, "policy"))
     if start > 0:
         trainer.load_megatron(checkpoint_dir(run, start, "megatron"))
     for m in range(start + 1, iteration + 1):
@@ -493,6 +497,8 @@ def restore_trainer(run: Run, iteration: int) -> MegatronTrainer:
 
 def check_replay(run: Run, trainer: MegatronTrainer, iteration: int) -> None:
     """Fail when replaying `iteration` did not reproduce the policy weights it committed."""
+    import torch
+
     from storage.checkpoints import read_checkpoint_manifest
     from storage.objects import sha256_local_file
     from storage.scratch import scratch_dir
@@ -500,7 +506,9 @@ def check_replay(run: Run, trainer: MegatronTrainer, iteration: int) -> None:
 
     stored = {e["name"]: e["sha256"] for e in read_checkpoint_manifest(run.layout, iteration, "policy").data["files"]}
     with scratch_dir(run.cfg.storage.cache_dir, "replay") as tmp:
-        trainer.save_hf(tmp, checkpoint_dir(run, iteration - 1, "policy"))
+        trainer.save_hf(tmp, checkpoint_dir(run, 0, "policy"))  # collective; rank 0 writes (tokenizer: the base's)
+        if torch.distributed.get_rank() != 0:
+            return
         replayed = sha256_local_file(tmp / "model.safetensors")
     if replayed != stored["model.safetensors"]:
         raise RuntimeError(
