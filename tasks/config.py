@@ -332,11 +332,16 @@ class EvalConfig(_Section):
 class StageLaunch(_Section):
     """How one stage's process is started; placement only, never a change to what it computes."""
 
-    launcher: Literal["inprocess", "subprocess", "torchrun"] = Field(
+    launcher: Literal["inprocess", "subprocess", "torchrun", "work-pool"] = Field(
         "inprocess",
         description="inprocess: inside the flow's process; subprocess: a fresh `sdpo stage` process (its "
-        "crash cannot take the flow down); torchrun: `sdpo stage` under torchrun over nproc_per_node x nnodes ranks",
+        "crash cannot take the flow down); torchrun: `sdpo stage` under torchrun over nproc_per_node x nnodes "
+        "ranks; work-pool: its own flow run of the `deployment`, on that deployment's Prefect work pool",
     )
+    deployment: str | None = Field(
+        None, description="work-pool: the deployment of flows/stage.py:sdpo_stage to run, e.g. sdpo-stage/gpu"
+    )
+    timeout_s: float | None = Field(None, gt=0, description="work-pool: give up waiting for the stage's flow run after this")
     nproc_per_node: int = Field(1, ge=1, description="torchrun: processes on this node")
     nnodes: int = Field(1, ge=1, description="torchrun: nodes taking part (each runs the same flow step)")
     node_rank: int = Field(0, ge=0, description="torchrun: this node's rank among nnodes")
@@ -349,6 +354,8 @@ class StageLaunch(_Section):
     def _torchrun_fields(self) -> StageLaunch:
         if self.launcher != "torchrun" and (self.nproc_per_node, self.nnodes) != (1, 1):
             raise ValueError(f"nproc_per_node/nnodes need launcher='torchrun', not {self.launcher!r}")
+        if (self.launcher == "work-pool") != (self.deployment is not None):
+            raise ValueError("launcher='work-pool' and deployment (e.g. sdpo-stage/gpu) go together")
         if self.nnodes > 1 and not self.rdzv_endpoint:
             raise ValueError(f"nnodes={self.nnodes} needs rdzv_endpoint (host:port reachable from every node)")
         if self.node_rank >= self.nnodes:
