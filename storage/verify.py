@@ -55,12 +55,35 @@ def _hash_object(layout: RunLayout, url: str) -> str:
     return digest.hexdigest()
 
 
+_FIELDS = {
+    "stage": {"files": list, "parents": list},
+    "checkpoint": {"files": list, "trained_on": list},
+    "iteration": {"stages": dict, "checkpoints": dict},
+}
+
+
 def _manifest(layout: RunLayout, url: str, report: Report) -> Manifest | None:
+    """The manifest at `url` when it parses and has the fields its kind needs; else a problem."""
     try:
         manifest = read_manifest(layout, url)
     except StorageError as exc:
         report.bad(url, str(exc))
         return None
+    fields = _FIELDS.get(manifest.data.get("kind"))
+    if fields is None:
+        report.bad(url, f"field 'kind' is {manifest.data.get('kind')!r}, expected one of {sorted(_FIELDS)}")
+        return None
+    for name, kind in fields.items():
+        if not isinstance(manifest.data.get(name), kind):
+            report.bad(url, f"field {name!r} is missing or not a {kind.__name__}")
+            return None
+    entries = manifest.data.get("files", []) + manifest.data.get("parents", []) + manifest.data.get("trained_on", [])
+    entries += list(manifest.data.get("stages", {}).values()) + list(manifest.data.get("checkpoints", {}).values())
+    for entry in entries:
+        need = ("path", "sha256", "bytes") if entry in manifest.data.get("files", []) else ("path", "sha256")
+        if not isinstance(entry, dict) or any(k not in entry for k in need):
+            report.bad(url, f"an entry lacks one of {need}: {str(entry)[:120]}")
+            return None
     report.manifests += 1
     return manifest
 
