@@ -6,7 +6,7 @@ import contextlib
 import logging
 import os
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
@@ -22,6 +22,11 @@ ConfigArg = Annotated[Path, typer.Argument(help="YAML run config, e.g. configs/d
 OverridesArg = Annotated[
     Optional[list[str]], typer.Argument(help="dotted overrides, e.g. loss.alpha=0.5 rollout.group_size=4")
 ]
+AllowChangeOpt = Annotated[
+    bool, typer.Option(help="continue an existing run under a changed config (the change is recorded)")
+]
+ForceUnlockOpt = Annotated[bool, typer.Option(help="take over a run lock whose lease expired")]
+VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="every stage's log lines")]
 
 
 def _setup_logging(verbose: bool) -> None:
@@ -79,26 +84,29 @@ def _fail(message: str) -> None:
     raise typer.Exit(2)
 
 
+def _load(config: Path, overrides: list[str] | None) -> Any:
+    """The validated config, or exit 2 with the fields to fix."""
+    from tasks.config import ConfigError, load_config
+
+    try:
+        return load_config(config, overrides or [])
+    except ConfigError as err:
+        _fail(str(err))
+
+
 @app.command()
 def run(
     config: ConfigArg,
     overrides: OverridesArg = None,
-    allow_config_change: Annotated[
-        bool, typer.Option(help="continue an existing run under a changed config (the change is recorded)")
-    ] = False,
-    force_unlock: Annotated[bool, typer.Option(help="take over a run lock whose lease expired")] = False,
-    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="every stage's log lines")] = False,
+    allow_config_change: AllowChangeOpt = False,
+    force_unlock: ForceUnlockOpt = False,
+    verbose: VerboseOpt = False,
 ) -> None:
     """Create or resume a run and iterate it to the configured number of iterations."""
     from rich.console import Console
 
-    from tasks.config import ConfigError, load_config
-
     _setup_logging(verbose)
-    try:
-        cfg = load_config(config, overrides or [])
-    except ConfigError as err:
-        _fail(str(err))
+    cfg = _load(config, overrides)
     from flows.run import sdpo_run
     from tasks.summary import render_table
 
@@ -117,20 +125,13 @@ def run(
 def advance(
     config: ConfigArg,
     overrides: OverridesArg = None,
-    allow_config_change: Annotated[
-        bool, typer.Option(help="continue an existing run under a changed config (the change is recorded)")
-    ] = False,
-    force_unlock: Annotated[bool, typer.Option(help="take over a run lock whose lease expired")] = False,
-    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="every stage's log lines")] = False,
+    allow_config_change: AllowChangeOpt = False,
+    force_unlock: ForceUnlockOpt = False,
+    verbose: VerboseOpt = False,
 ) -> None:
     """Advance a run by one iteration (creating it if needed), as a scheduled deployment does."""
-    from tasks.config import ConfigError, load_config
-
     _setup_logging(verbose)
-    try:
-        cfg = load_config(config, overrides or [])
-    except ConfigError as err:
-        _fail(str(err))
+    cfg = _load(config, overrides)
     from flows.iteration import sdpo_advance
 
     with prefect_local_mode(cfg.name):
