@@ -210,7 +210,12 @@ class LossConfig(_Section):
     alpha: float = Field(0.5, ge=0, le=1, description="0 = KL(teacher||student), 1 = KL(student||teacher)")
     is_clip: float | None = Field(2.0, gt=0, description="per-token importance-weight cap; null = off")
     mask_reduction: Literal["exclude", "dilute"] = "dilute"
-    aggregation: Literal["token-mean", "sequence-mean"] = "token-mean"
+    aggregation: Literal["token-mean", "sequence-mean"] = Field(
+        "sequence-mean",
+        description="sequence-mean: each response's token mean, then the mean over responses (the paper "
+        "code's one sequence per micro-batch, and TRL's); token-mean: one mean over all tokens, so long "
+        "responses weigh more",
+    )
     grpo_normalize_std: bool = False
     clip_low: float = Field(0.2, ge=0)
     clip_high: float = Field(0.28, ge=0)

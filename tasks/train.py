@@ -538,20 +538,31 @@ def update_teacher(run: Run, iteration: int, policy_dir: Path, out_dir: Path) ->
     """Write the EMA teacher of `iteration` into out_dir; False when the mode keeps no teacher copy."""
     if run.cfg.teacher.update != "ema":
         return False
+    from tasks.runtime import teacher_source
+
+    previous, _ = teacher_source(run, iteration)
+    ema_teacher_folder(previous, policy_dir, out_dir, rate=run.cfg.teacher.update_rate)
+    return True
+
+
+def ema_teacher_folder(previous: Path, policy_dir: Path, out_dir: Path, *, rate: float) -> None:
+    """`out_dir` = the policy folder with its weights replaced by the EMA teacher's, kept in float32.
+
+    The teacher is the EMA's master copy: with bf16 weights and tau = 0.05, an update of 5% of a
+    weight's distance to the student rounds away for most weights and the teacher would never move,
+    so the teacher is read, updated and stored in float32 whatever the policy's dtype.
+    """
     import shutil
 
     from safetensors.torch import load_file, save_file
 
     from sdpo_core.teacher_update import ema_update_
-    from tasks.runtime import teacher_source
 
-    previous, _ = teacher_source(run, iteration)
-    teacher = load_file(str(previous / "model.safetensors"))
+    teacher = {k: v.float() if v.is_floating_point() else v for k, v in load_file(str(previous / "model.safetensors")).items()}
     student = load_file(str(policy_dir / "model.safetensors"))
-    ema_update_(teacher, student, rate=run.cfg.teacher.update_rate)
+    ema_update_(teacher, student, rate=rate)
     shutil.copytree(policy_dir, out_dir, dirs_exist_ok=True)
     save_file(teacher, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    return True
 
 
 def _shared_scratch(cache_dir: str, rank: int) -> Any:
