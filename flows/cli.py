@@ -6,7 +6,7 @@ import contextlib
 import logging
 import os
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
@@ -22,6 +22,11 @@ ConfigArg = Annotated[Path, typer.Argument(help="YAML run config, e.g. configs/d
 OverridesArg = Annotated[
     Optional[list[str]], typer.Argument(help="dotted overrides, e.g. loss.alpha=0.5 rollout.group_size=4")
 ]
+AllowChangeOpt = Annotated[
+    bool, typer.Option(help="continue an existing run under a changed config (the change is recorded)")
+]
+ForceUnlockOpt = Annotated[bool, typer.Option(help="take over a run lock whose lease expired")]
+VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="every stage's log lines")]
 
 
 def _setup_logging(verbose: bool) -> None:
@@ -62,6 +67,8 @@ def prefect_local_mode(run_name: str):
         yield
         return
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    # The ephemeral server's default 20 s start-up limit is missed on a loaded 2-core machine.
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
     if "PREFECT_HOME" not in os.environ:
         home = Path(".sdpo", "prefect", run_name).resolve()
         home.mkdir(parents=True, exist_ok=True)
@@ -77,28 +84,33 @@ def _fail(message: str) -> None:
     raise typer.Exit(2)
 
 
-@app.command()
-def run(
-    config: ConfigArg,
-    overrides: OverridesArg = None,
-    allow_config_change: Annotated[
-        bool, typer.Option(help="continue an existing run under a changed config (the change is recorded)")
-    ] = False,
-    force_unlock: Annotated[bool, typer.Option(help="take over a stale run lock")] = False,
-    verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
-) -> None:
-    """Create or resume a run and iterate it to the configured number of iterations."""
-    from rich.console import Console
-
+def _load(config: Path, overrides: list[str] | None) -> Any:
+    """The validated config of a run to start, or exit 2 with the fields to fix: everything is
+    checked (data, storage root, tokenizer limits) before Prefect, MLflow or a run folder sees it."""
     from tasks.config import ConfigError, load_config
     from tasks.preflight import preflight
 
-    _setup_logging(verbose)
-    try:  # everything is checked before Prefect, MLflow or a run folder sees the config
+    try:
         cfg = load_config(config, overrides or [])
         preflight(cfg)
     except ConfigError as err:
         _fail(str(err))
+    return cfg
+
+
+@app.command()
+def run(
+    config: ConfigArg,
+    overrides: OverridesArg = None,
+    allow_config_change: AllowChangeOpt = False,
+    force_unlock: ForceUnlockOpt = False,
+    verbose: VerboseOpt = False,
+) -> None:
+    """Create or resume a run and iterate it to the configured number of iterations."""
+    from rich.console import Console
+
+    _setup_logging(verbose)
+    cfg = _load(config, overrides)
     from flows.run import sdpo_run
     from tasks.summary import render_table
 
@@ -114,11 +126,32 @@ def run(
 
 
 @app.command()
+def advance(
+    config: ConfigArg,
+    overrides: OverridesArg = None,
+    allow_config_change: AllowChangeOpt = False,
+    force_unlock: ForceUnlockOpt = False,
+    verbose: VerboseOpt = False,
+) -> None:
+    """Advance a run by one iteration (creating it if needed), as a scheduled deployment does."""
+    _setup_logging(verbose)
+    cfg = _load(config, overrides)
+    from flows.iteration import sdpo_advance
+
+    with prefect_local_mode(cfg.name):
+        result = sdpo_advance(str(config), list(overrides or []), allow_config_change, force_unlock)
+    if result is None:
+        typer.echo(f"run {cfg.name} is complete ({cfg.iterations} iterations): nothing to do")
+    else:
+        typer.echo(f"run {cfg.name}: committed {result['path']}")
+
+
+@app.command()
 def validate(config: ConfigArg, overrides: OverridesArg = None) -> None:
     """Validate a config (with overrides, data and tokenizer checks) and print it fully resolved, defaults included."""
     import yaml
 
-    from tasks.config import ConfigError, load_config, to_dict
+    from tasks.config import ConfigError, full_dict, load_config
     from tasks.preflight import preflight
 
     try:
@@ -126,7 +159,7 @@ def validate(config: ConfigArg, overrides: OverridesArg = None) -> None:
         preflight(cfg)
     except ConfigError as err:
         _fail(str(err))
-    typer.echo(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    typer.echo(yaml.safe_dump(full_dict(cfg), sort_keys=False))
 
 
 @app.command()
@@ -146,16 +179,118 @@ def status(
     run_name: Annotated[str, typer.Argument(help="run name")],
     root: Annotated[str, typer.Option(help="run root (path or URL)")] = "runs",
 ) -> None:
-    """Print which iterations and stages of a run are committed."""
-    from storage.layout import RunLayout
-    from storage.manifest import read_latest, stage_done
+    """Print where a run stands: LATEST (its digest checked), the target, the lock holder, the next
+    iteration's committed stages."""
+    from storage.errors import StorageError
+    from storage.layout import RunLayout, read_run
+    from storage.lock import read_lock_holder
+    from storage.manifest import stage_done, verify_latest
 
     layout = RunLayout(root, run_name)
-    latest = read_latest(layout) or 0
-    typer.echo(f"run {layout.run_url}: LATEST = {latest}")
+    if not layout.store.exists(layout.run_json):
+        _fail(f"no run {run_name!r} under {layout.root_url} (no {layout.run_json})")
+    target = int(read_run(layout)["config"]["iterations"])
+    try:
+        latest = verify_latest(layout) or 0
+    except StorageError as err:
+        _fail(f"run {layout.run_url}: LATEST does not check out: {err}")
+    holder = read_lock_holder(layout)
+    typer.echo(f"run {layout.run_url}: LATEST = {latest} of {target} iterations (digest verified)")
+    if holder is None:
+        typer.echo("lock: free")
+    else:
+        stale = holder.stale_reason()
+        typer.echo(f"lock: held by {holder.describe()}" + (f" (stale: {stale})" if stale else ""))
+    if latest >= target:
+        typer.echo("complete")
+        return
     n = latest + 1
     done = [stage for stage in ("rollout", "teacher", "train") if stage_done(layout, n, stage)]
     typer.echo(f"iteration {n}: committed stages: {', '.join(done) or 'none'}")
+
+
+@app.command()
+def verify(
+    run_name: Annotated[str, typer.Argument(help="run name")],
+    root: Annotated[str, typer.Option(help="run root (path or URL)")] = "runs",
+) -> None:
+    """Re-hash every committed shard, checkpoint file and manifest of a run against the manifests
+    (and LATEST against its iteration manifest); exits 1 when anything is damaged or missing."""
+    from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
+
+    from storage.layout import RunLayout
+    from storage.verify import committed_bytes, verify_run
+
+    layout = RunLayout(root, run_name)
+    columns = ("{task.description}", BarColumn(), DownloadColumn(), TimeRemainingColumn())
+    with Progress(*columns, transient=True) as bar:
+        task = bar.add_task(f"verifying {run_name}", total=committed_bytes(layout))
+        report = verify_run(layout, progress=lambda n: bar.advance(task, n))
+    typer.echo(
+        f"run {layout.run_url}: {report.manifests} manifests, {report.files} files, "
+        f"{report.bytes / 2**20:.1f} MiB checked"
+    )
+    if report.uncommitted:
+        typer.echo(f"{len(report.uncommitted)} folder(s) without a manifest (an interrupted attempt; not part of the run):")
+        for folder in report.uncommitted:
+            typer.echo(f"  {folder}")
+    if report.ok:
+        typer.echo("OK: everything committed matches its manifests")
+        return
+    typer.secho(f"{len(report.problems)} problem(s):", fg=typer.colors.RED, err=True)
+    for url, what in report.problems:
+        typer.secho(f"  {url}: {what}", fg=typer.colors.RED, err=True)
+    raise typer.Exit(1)
+
+
+@app.command()
+def gc(
+    run_name: Annotated[str, typer.Argument(help="run name")],
+    root: Annotated[str, typer.Option(help="run root (path or URL)")] = "runs",
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="print the plan, delete nothing")] = False,
+) -> None:
+    """Apply the run's checkpoint retention (storage.retention): keep what it says and what a resume
+    needs, remove the files of the rest (manifests stay, so lineage and verify still check them)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from storage.lock import RunLock
+    from tasks.runtime import apply_retention, open_run
+
+    run = open_run(root, run_name)
+    if dry_run:
+        decisions = apply_retention(run, dry_run=True)
+    else:
+        with RunLock(run.layout, lease_seconds=run.cfg.storage.lock_lease_seconds):
+            decisions = apply_retention(run)
+    table = Table(title=f"retention of {run.layout.run_url}" + (" (dry run)" if dry_run else ""))
+    for column in ("iteration", "kind", "MiB", "decision", "why"):
+        table.add_column(column)
+    for d in decisions:
+        table.add_row(str(d.iteration), d.kind, f"{d.bytes / 2**20:.1f}", "keep" if d.keep else "prune", d.reason)
+    console = Console()
+    console.print(table)
+    freed = sum(d.bytes for d in decisions if not d.keep)
+    console.print(f"{'would free' if dry_run else 'freed'} {freed / 2**20:.1f} MiB")
+
+
+@app.command("stage")
+def stage_command(
+    name: Annotated[str, typer.Argument(help="prepare-base | rollout | teacher | train | commit | eval")],
+    root: Annotated[str, typer.Option(help="run root (path or URL)")],
+    run_name: Annotated[str, typer.Option("--run", "--run-name", help="run name")],
+    iteration: Annotated[int, typer.Option(help="iteration whose stage to run")],
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="every log line of the stage")] = False,
+) -> None:
+    """Run one stage of one iteration as a process: read its inputs from the store, write its outputs
+    and manifest there. The stage launchers start this (under torchrun too); so can any scheduler."""
+    from tasks.launch import STAGES, register_stage_options, run_stage
+
+    if name not in STAGES:
+        _fail(f"unknown stage {name!r}; stages are {', '.join(STAGES)}")
+    _setup_logging(verbose)
+    register_stage_options(root)
+    run_stage(name, root, run_name, iteration)
 
 
 @app.command("eval")
@@ -199,6 +334,33 @@ def prepare_data(
         _fail(str(err))
     for key, value in stats.items():
         typer.echo(f"{key}: {value}")
+
+
+@app.command()
+def view(
+    run_name: Annotated[str, typer.Argument(help="run name")],
+    root: Annotated[str, typer.Option(help="run root (path or URL, e.g. s3://bucket/runs)")] = "runs",
+    port: Annotated[int, typer.Option(help="port of the web viewer")] = 8765,
+    host: Annotated[str, typer.Option(help="interface to bind; the default serves this machine only")] = "127.0.0.1",
+    tui: Annotated[bool, typer.Option("--tui", help="the terminal viewer instead of the web page")] = False,
+) -> None:
+    """Browse a run's rollouts: samples, groups, teacher context and the teacher's per-token credit (read-only)."""
+    from tasks.viewer.data import RunData
+
+    _setup_logging(False)
+    try:
+        data = RunData(root, run_name)
+    except FileNotFoundError as err:  # no run.json under root
+        _fail(str(err))
+    if tui:
+        from tasks.viewer.tui import ViewerApp
+
+        ViewerApp(data).run()
+        return
+    from tasks.viewer.app import serve
+
+    typer.echo(f"sdpo view: http://{host}:{port}/ (run {data.layout.run_url}, read-only; Ctrl-C stops)")
+    serve(data, host=host, port=port)
 
 
 def main() -> None:

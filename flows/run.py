@@ -1,6 +1,7 @@
-"""A whole run as a Prefect flow: create or resume it, then iterate and evaluate.
+"""A whole run as a Prefect flow: create or resume it, then bring every iteration to done.
 
-    base model -> evaluate(0) -> for n in next..N: sdpo_iteration(n) [-> evaluate(n)] -> summary
+    base model -> for n in 0..N: complete_iteration(n)  [iteration n, its evaluation when due,
+                                                          its MLflow step]  -> summary
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from typing import Any
 
 from prefect import flow
 
-from flows.iteration import sdpo_iteration
+from flows.iteration import complete_iteration
 from tasks import stages
 
 logger = logging.getLogger(__name__)
@@ -31,10 +32,6 @@ def describe_iteration(n: int, total: int, metrics: dict[str, float]) -> str:
     return " | ".join(parts)
 
 
-def _eval_due(n: int, *, every: int, last: int) -> bool:
-    return n == last or (every > 0 and n % every == 0)
-
-
 @flow(name="sdpo-run", log_prints=False)
 def sdpo_run(
     config_path: str | None = None,
@@ -43,44 +40,37 @@ def sdpo_run(
     force_unlock: bool = False,
 ) -> dict[str, Any]:
     """Create or resume the run described by the config; returns a summary of the run."""
-    from storage.layout import RunLayout, create_or_open_run
     from storage.lock import RunLock
     from storage.manifest import read_latest
-    from storage.urls import register_options
-    from tasks.config import load_config, to_dict
+    from tasks.config import load_config
     from tasks.preflight import preflight
-    from tasks.runtime import open_run
+    from tasks.runtime import run_layout, start_run
     from tasks.summary import RunSummary
-    from tasks.tracking import Tracker
+    from tasks.tracking import open_tracker
 
     cfg = load_config(config_path, overrides or [])
     preflight(cfg)  # before the run lock: a run that cannot start leaves no run folder
-    register_options(cfg.storage.root, cfg.storage.storage_options)
-    layout = RunLayout(cfg.storage.root, cfg.name)
-    root, name = cfg.storage.root, cfg.name
+    layout = run_layout(cfg)
     with RunLock(layout, lease_seconds=cfg.storage.lock_lease_seconds, force=force_unlock) as lock:
-        create_or_open_run(layout, to_dict(cfg), allow_config_change=allow_config_change)
-        run = open_run(root, name)
-        tracker = Tracker(cfg, layout.run_url, local_run_dir=layout.local_dir)
+        run = start_run(cfg, layout, allow_config_change=allow_config_change)
+        tracker = open_tracker(run)
         summary = RunSummary(run_url=layout.run_url, tracking_uri=tracker.uri)
 
         started = time.perf_counter()
-        base_info = stages.prepare_base(root, name)
-        summary.base_info = base_info
-        summary.before = stages.evaluate(root, name, 0)
-        tracker.log_metrics(summary.before, step=0)
-
-        first = (read_latest(layout) or 0) + 1
-        for n in range(first, cfg.iterations + 1):
-            manifest = sdpo_iteration(root, name, n)
-            metrics = dict(manifest["metrics"])
-            if _eval_due(n, every=cfg.eval.every, last=cfg.iterations):
-                metrics.update(stages.evaluate(root, name, n))
-            tracker.log_metrics(metrics, step=n)
+        summary.base_info = stages.prepare_base(cfg.storage.root, cfg.name)
+        for n in range(cfg.iterations + 1):
+            metrics, ran = complete_iteration(run, tracker, n)
+            if n == 0:
+                summary.before = metrics
+                continue
             summary.add_iteration(n, metrics)
-            logger.info(describe_iteration(n, cfg.iterations, metrics))
+            if ran:
+                logger.info(describe_iteration(n, cfg.iterations, metrics))
             lock.renew()
-        summary.after = stages.evaluate(root, name, cfg.iterations)
+        latest = read_latest(layout)
+        if latest is None or latest < cfg.iterations:
+            raise RuntimeError(f"run {cfg.name!r} ended with LATEST = {latest}, expected {cfg.iterations}")
+        summary.after = {k: v for k, v in summary.iterations.get(cfg.iterations, summary.before).items() if k.startswith("eval/")}
         summary.seconds = time.perf_counter() - started
         summary.write_artifacts(run, tracker)
         tracker.finish()

@@ -43,3 +43,19 @@ class LockHeldError(StorageError):
 
 class PreconditionFailedError(StorageError):
     """A conditional replace or delete found the object changed since it was read."""
+
+
+class StorageIOError(StorageError, OSError):
+    """An operating-system error (no space left, permission denied, ...) on a named URL.
+
+    It is an `OSError` with the original errno, so callers that handle OS errors still do.
+    """
+
+    def __init__(self, url: str, what: str, exc: OSError) -> None:
+        reason = exc.strerror or str(exc)
+        super().__init__(exc.errno, f"{what} {url}: {reason}")
+        self.url = url
+
+
+class CorruptManifestError(StorageError):
+    """A manifest (or LATEST, run.json) that is not the UTF-8 JSON object this code writes."""

@@ -11,6 +11,7 @@
 <root>/<run>/iter-<n>/<stage>/_manifest.json            stage manifest, written last
 <root>/<run>/checkpoints/iter-<n>/<kind>/files/...      weights produced by iteration n (policy | teacher | megatron)
 <root>/<run>/checkpoints/iter-<n>/<kind>/_manifest.json checkpoint manifest, written last
+<root>/<run>/checkpoints/iter-<n>/<kind>/_pruned.json   tombstone: retention removed the files (storage.retention)
 ```
 
 Manifests name files relative to the run directory, so a run can be copied between stores.
@@ -161,6 +162,10 @@ class RunLayout:
     def checkpoint_manifest(self, n: int, kind: str) -> str:
         return join(self.checkpoint_dir(n, kind), MANIFEST_NAME)
 
+    def checkpoint_tombstone(self, n: int, kind: str) -> str:
+        """Written when retention removes the checkpoint's files (its manifest stays)."""
+        return join(self.checkpoint_dir(n, kind), "_pruned.json")
+
     def checkpoint_iterations(self) -> list[int]:
         """Iterations that have a checkpoint directory, ascending."""
         names = self.store.list_dirs(self.checkpoints_dir)
@@ -243,7 +248,8 @@ def format_config_diff(diff: list[tuple[str, Any, Any]]) -> str:
     return "\n".join(f"  {key}: {json.dumps(old)} -> {json.dumps(new)}" for key, old, new in diff)
 
 
-def _read_changes(layout: RunLayout) -> list[dict[str, Any]]:
+def read_config_changes(layout: RunLayout) -> list[dict[str, Any]]:
+    """The accepted config changes of a run, oldest first (entries of config_changes.jsonl)."""
     if not layout.store.exists(layout.config_changes):
         return []
     text = layout.store.read_bytes(layout.config_changes).decode()
@@ -255,7 +261,7 @@ def read_run(layout: RunLayout) -> dict[str, Any]:
     if not layout.store.exists(layout.run_json):
         raise FileNotFoundError(f"run {layout.run_name!r} does not exist: no {layout.run_json}")
     record = json.loads(layout.store.read_bytes(layout.run_json))
-    changes = _read_changes(layout)
+    changes = read_config_changes(layout)
     if changes:
         record["config"] = changes[-1]["config"]
         record["config_hash"] = changes[-1]["config_hash"]
@@ -311,7 +317,7 @@ def create_or_open_run(
         "diff": [{"key": k, "old": old, "new": new} for k, old, new in diff],
         "config": config,
     }
-    lines = [json.dumps(c, sort_keys=True) for c in [*_read_changes(layout), change]]
+    lines = [json.dumps(c, sort_keys=True) for c in [*read_config_changes(layout), change]]
     layout.store.write_bytes(layout.config_changes, ("\n".join(lines) + "\n").encode())
     logger.warning("run %s: config change accepted and recorded:\n%s", layout.run_name, text)
     return read_run(layout)

@@ -3,8 +3,10 @@
 The lock is the object `<run>/LOCK` holding {host, pid, created_at, expires_at, token}. It is created
 with the store's exclusive create (file: tmp + link(); s3: PUT If-None-Match: *; memory: under a
 process lock), so of two writers exactly one succeeds. A lock is stale when its lease expired or,
-on the same host, its process is gone; a stale lock is taken over only with `force=True`, by a
-compare-and-swap on the lock's content (s3: PUT If-Match: <etag>; file: flock + compare + rename).
+on the same host, its process is gone. The lock of a process of this host that is gone is taken
+over at once (that holder is certainly dead: a killed run resumes by running the same command
+again); a lock whose lease expired only with `force=True`, since its holder on another host may be
+alive but late to renew. Both take-overs are a compare-and-swap on the lock's content (s3: PUT If-Match: <etag>; file: flock + compare + rename).
 Renewal and release are compare-and-swaps too, so a writer whose lock was taken over finds out.
 Lease expiry compares wall clocks: hosts sharing a run need roughly synchronised clocks.
 """
@@ -22,6 +24,7 @@ from dataclasses import asdict, dataclass
 
 from storage.errors import LockHeldError, PreconditionFailedError
 from storage.layout import RunLayout
+from storage.scratch import pid_alive
 
 logger = logging.getLogger(__name__)
 
@@ -42,19 +45,9 @@ class LockHolder:
         now = now or dt.datetime.now(dt.timezone.utc)
         if dt.datetime.fromisoformat(self.expires_at) <= now:
             return f"lease expired at {self.expires_at}"
-        if self.host == socket.gethostname() and not _pid_alive(self.pid):
+        if self.host == socket.gethostname() and not pid_alive(self.pid):
             return f"process {self.pid} on {self.host} is gone"
         return None
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, owned by someone else
-        return True
-    return True
 
 
 def read_lock_holder(layout: RunLayout) -> LockHolder | None:
@@ -143,10 +136,11 @@ class RunLock:
         reason = current.stale_reason()
         if reason is None:
             raise LockHeldError(f"run {self.layout.run_name!r} is locked by {current.describe()}")
-        if not self.force:
+        dead = current.host == socket.gethostname() and not pid_alive(current.pid)
+        if not (self.force or dead):
             raise LockHeldError(
                 f"run {self.layout.run_name!r} is locked by {current.describe()}, which looks stale ({reason}); "
-                "pass force=True to take it over"
+                "take it over with force=True (the CLI: sdpo run --force-unlock)"
             )
         try:
             store.replace_if_tag(url, payload, tag)

@@ -16,7 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from storage.errors import AlreadyCommittedError, ChecksumMismatchError, NotCommittedError
+from storage.errors import AlreadyCommittedError, ChecksumMismatchError, CorruptManifestError, NotCommittedError
+from storage.faults import crash_point
 from storage.layout import RunLayout, read_run
 from storage.objects import sha256_bytes
 from storage.provenance import code_version, utc_now
@@ -86,7 +87,20 @@ def read_manifest(layout: RunLayout, url: str) -> Manifest:
     if not layout.store.exists(url):
         raise NotCommittedError(f"no manifest at {url}: the output is not committed")
     payload = layout.store.read_bytes(url)
-    return Manifest(path=layout.relative(url), sha256=sha256_bytes(payload), data=json.loads(payload))
+    return Manifest(path=layout.relative(url), sha256=sha256_bytes(payload), data=decode_json_object(url, payload))
+
+
+def decode_json_object(url: str, payload: bytes) -> dict[str, Any]:
+    """The JSON object stored at `url`; CorruptManifestError naming the URL when it is not one."""
+    try:
+        data = json.loads(payload.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise CorruptManifestError(f"{url} is not UTF-8 (byte {exc.start}: {payload[exc.start:exc.start + 1]!r})") from exc
+    except json.JSONDecodeError as exc:
+        raise CorruptManifestError(f"{url} is not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from exc
+    if not isinstance(data, dict):
+        raise CorruptManifestError(f"{url} holds a JSON {type(data).__name__}, expected an object")
+    return data
 
 
 def verify_ref(layout: RunLayout, ref: Mapping[str, str]) -> Manifest:
@@ -119,11 +133,33 @@ def read_stage_manifest(layout: RunLayout, n: int, stage: str) -> Manifest:
 
 
 # -- iterations -----------------------------------------------------------------------------
-def read_latest(layout: RunLayout) -> int | None:
-    """The last committed iteration, or None when none is."""
+def read_latest_pointer(layout: RunLayout) -> dict[str, Any] | None:
+    """LATEST as stored ({iteration, manifest, sha256, updated_at}), or None when nothing is committed."""
     if not layout.store.exists(layout.latest):
         return None
-    return int(json.loads(layout.store.read_bytes(layout.latest))["iteration"])
+    pointer = decode_json_object(layout.latest, layout.store.read_bytes(layout.latest))
+    if not isinstance(pointer.get("iteration"), int) or isinstance(pointer["iteration"], bool):
+        raise CorruptManifestError(f"{layout.latest}: field 'iteration' is {pointer.get('iteration')!r}, expected an int")
+    return pointer
+
+
+def read_latest(layout: RunLayout) -> int | None:
+    """The last committed iteration, or None when none is."""
+    pointer = read_latest_pointer(layout)
+    return None if pointer is None else int(pointer["iteration"])
+
+
+def verify_latest(layout: RunLayout) -> int | None:
+    """The LATEST iteration after checking that LATEST names its iteration manifest by path and digest."""
+    pointer = read_latest_pointer(layout)
+    if pointer is None:
+        return None
+    n = int(pointer["iteration"])
+    expected = layout.relative(layout.iteration_manifest(n))
+    if pointer.get("manifest") != expected:
+        raise CorruptManifestError(f"{layout.latest} names {pointer.get('manifest')!r}, expected {expected!r}")
+    verify_ref(layout, {"path": expected, "sha256": str(pointer.get("sha256"))})
+    return n
 
 
 def iteration_committed(layout: RunLayout, n: int) -> bool:
@@ -152,22 +188,27 @@ def commit_iteration(
     """Write iteration n's manifest (naming its stage and checkpoint manifests by digest), then LATEST.
 
     Iterations commit in order: LATEST must be n-1, or absent for the run's first commit (whatever
-    its number). If a previous commit wrote the manifest but died before LATEST moved, this
-    finishes it and returns the existing manifest.
+    its number). Idempotent: a committed iteration returns its manifest, and if a previous commit
+    wrote the manifest but died before LATEST moved, this finishes it.
     """
     latest = read_latest(layout)
     if iteration_committed(layout, n):
         existing = read_iteration_manifest(layout, n)
+        if latest == n:
+            return existing
         latest_when_written = None if existing.data["previous"] is None else n - 1
         if latest == latest_when_written:
             logger.warning("iteration %d was committed but LATEST not moved; finishing the commit", n)
+            crash_point("commit.manifest_written", n)
             _move_latest(layout, existing, n)
+            crash_point("commit.latest_moved", n)
             return existing
         raise AlreadyCommittedError(
-            f"iteration {n} of run {layout.run_name!r} is already committed (LATEST = {latest})"
+            f"iteration {n} of run {layout.run_name!r} is committed but LATEST is {latest}: iterations commit in order"
         )
     if latest is not None and latest != n - 1:
         raise ValueError(f"cannot commit iteration {n} of run {layout.run_name!r}: LATEST is {latest}, need {n - 1}")
+    crash_point("commit.start", n)
     stage_refs = {stage: read_stage_manifest(layout, n, stage).ref for stage in stages}
     checkpoint_refs = {kind: read_manifest(layout, layout.checkpoint_manifest(n, kind)).ref for kind in checkpoints}
     previous = None if latest is None else read_iteration_manifest(layout, latest).ref
@@ -181,5 +222,7 @@ def commit_iteration(
         "timings": plain_metrics(timings or {}),
     }
     manifest = write_manifest(layout, layout.iteration_manifest(n), data)
+    crash_point("commit.manifest_written", n)
     _move_latest(layout, manifest, n)
+    crash_point("commit.latest_moved", n)
     return manifest

@@ -12,6 +12,7 @@ Every remote operation goes through `call_with_retry`. Paths handed in are URLs 
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import io
@@ -19,7 +20,6 @@ import logging
 import os
 import shutil
 import threading
-import uuid
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -29,8 +29,9 @@ from fsspec import AbstractFileSystem
 from fsspec.implementations.local import LocalFileSystem
 from fsspec.implementations.memory import MemoryFileSystem
 
-from storage.errors import PreconditionFailedError
+from storage.errors import PreconditionFailedError, StorageIOError
 from storage.retry import RetryPolicy, call_with_retry
+from storage.scratch import tmp_sibling
 from storage.urls import protocol, resolve
 
 logger = logging.getLogger(__name__)
@@ -55,11 +56,12 @@ def sha256_local_file(path: str | os.PathLike[str]) -> str:
 class HashingSink(io.RawIOBase):
     """Write-through file object that counts bytes and hashes them as they pass (no re-read)."""
 
-    def __init__(self, inner: IO[bytes]) -> None:
+    def __init__(self, inner: IO[bytes], *, url: str) -> None:
         super().__init__()
         self._inner = inner
         self._digest = hashlib.sha256()
         self.bytes_written = 0
+        self.url = url  # named by the errors of writes (a full disk)
 
     def writable(self) -> bool:
         return True
@@ -67,7 +69,10 @@ class HashingSink(io.RawIOBase):
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
         self._digest.update(view)
-        self._inner.write(view)
+        try:
+            self._inner.write(view)
+        except OSError as exc:
+            raise StorageIOError(self.url, "write", exc) from exc
         self.bytes_written += view.nbytes
         return view.nbytes
 
@@ -75,13 +80,21 @@ class HashingSink(io.RawIOBase):
         return self.bytes_written
 
     def flush(self) -> None:
-        self._inner.flush()
+        try:
+            self._inner.flush()
+        except OSError as exc:
+            raise StorageIOError(self.url, "write", exc) from exc
 
     def close(self) -> None:
         if self.closed:
             return
-        super().close()  # flushes through to the inner file first
-        self._inner.close()
+        try:
+            super().close()  # flushes through to the inner file first
+            self._inner.close()
+        except StorageIOError:
+            raise
+        except OSError as exc:
+            raise StorageIOError(self.url, "write", exc) from exc
 
     def hexdigest(self) -> str:
         return self._digest.hexdigest()
@@ -120,10 +133,21 @@ class ObjectStore:
         """The filesystem path of a URL."""
         return self.fs._strip_protocol(url)
 
-    def _call(self, fn: Any, what: str) -> Any:
-        if self.backend == "s3":
-            return call_with_retry(fn, policy=self.retry, what=what)
-        return fn()
+    def _call(self, fn: Any, what: str, url: str) -> Any:
+        """Run one operation on `url`; OS errors (a full disk, a permission) come back naming it.
+
+        FileNotFoundError and FileExistsError pass unchanged: callers act on them.
+        """
+        try:
+            if self.backend == "s3":
+                return call_with_retry(fn, policy=self.retry, what=f"{what} {url}")
+            return fn()
+        except (FileNotFoundError, FileExistsError):
+            raise
+        except StorageIOError:
+            raise
+        except OSError as exc:
+            raise StorageIOError(url, what, exc) from exc
 
     def _ensure_parent(self, path: str) -> None:
         if self.backend == "file":
@@ -140,30 +164,33 @@ class ObjectStore:
             fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)
 
-    def _local_tmp(self, path: str) -> str:
-        return os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex}")
-
     def _local_write_tmp(self, path: str, data: bytes) -> str:
+        """`data` in a synced temporary file beside `path`; nothing is left when the write fails."""
         self._ensure_parent(path)
-        tmp = self._local_tmp(path)
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        tmp = tmp_sibling(path)
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
         return tmp
 
     # -- reads ------------------------------------------------------------------------------
     def exists(self, url: str) -> bool:
         path = self.path(url)
-        return bool(self._call(lambda: self.fs.exists(path), f"exists {url}"))
+        return bool(self._call(lambda: self.fs.exists(path), "exists", url))
 
     def read_bytes(self, url: str) -> bytes:
         path = self.path(url)
-        return self._call(lambda: self.fs.cat_file(path), f"read {url}")
+        return self._call(lambda: self.fs.cat_file(path), "read", url)
 
     def size(self, url: str) -> int:
         path = self.path(url)
-        return int(self._call(lambda: self.fs.size(path), f"size {url}"))
+        return int(self._call(lambda: self.fs.size(path), "size", url))
 
     def list_files(self, url: str) -> list[str]:
         """URLs of all files under `url` (recursive), sorted; empty when nothing is there."""
@@ -174,7 +201,7 @@ class ObjectStore:
                 return []
             return sorted(self.fs.find(path))
 
-        found = self._call(find, f"list {url}")
+        found = self._call(find, "list", url)
         return [self._url_of(p) for p in found]
 
     def list_dirs(self, url: str) -> list[str]:
@@ -186,7 +213,7 @@ class ObjectStore:
                 return []
             return [e["name"] for e in self.fs.ls(path, detail=True) if e["type"] == "directory"]
 
-        return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in self._call(ls, f"ls {url}"))
+        return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in self._call(ls, "ls", url))
 
     def _url_of(self, path: str) -> str:
         if self.backend == "file":
@@ -206,7 +233,7 @@ class ObjectStore:
         """
         if self.backend == "s3":
             path = self.path(url)
-            etag = self._call(lambda: self.fs.info(path)["ETag"], f"head {url}")
+            etag = self._call(lambda: self.fs.info(path)["ETag"], "head", url)
             return self.read_bytes(url), str(etag)
         data = self.read_bytes(url)
         return data, sha256_bytes(data)
@@ -216,24 +243,27 @@ class ObjectStore:
         """Atomic create-or-replace: readers see the old or the new content, never a mix."""
         path = self.path(url)
         if self.backend == "file":
-            tmp = self._local_write_tmp(path, data)
-            os.replace(tmp, path)
+            self._call(lambda: os.replace(self._local_write_tmp(path, data), path), "write", url)
             return
         if self.backend == "memory":
             with _MEMORY_LOCK:
                 self.fs.pipe_file(path, data)
             return
-        self._call(lambda: self.fs.pipe_file(path, data), f"put {url}")
+        self._call(lambda: self.fs.pipe_file(path, data), "put", url)
 
     def create_exclusive(self, url: str, data: bytes) -> None:
         """Create `url` with `data`; raise FileExistsError if it already exists (atomic on every backend)."""
         path = self.path(url)
         if self.backend == "file":
-            tmp = self._local_write_tmp(path, data)
-            try:
-                os.link(tmp, path)
-            finally:
-                os.unlink(tmp)
+
+            def link() -> None:
+                tmp = self._local_write_tmp(path, data)
+                try:
+                    os.link(tmp, path)
+                finally:
+                    os.unlink(tmp)
+
+            self._call(link, "create", url)
             return
         if self.backend == "memory":
             with _MEMORY_LOCK:
@@ -267,7 +297,7 @@ class ObjectStore:
             if not self.fs.exists(path) or sha256_bytes(self.fs.cat_file(path)) != tag:
                 raise PreconditionFailedError(f"{url} changed since it was read")
             if self.backend == "file":
-                os.replace(self._local_write_tmp(path, data), path)
+                self._call(lambda: os.replace(self._local_write_tmp(path, data), path), "write", url)
             else:
                 self.fs.pipe_file(path, data)
 
@@ -308,21 +338,21 @@ class ObjectStore:
         path = self.path(url)
         if self.backend == "file":
             self._ensure_parent(path)
-            shutil.copyfile(local_path, path)
+            self._call(lambda: shutil.copyfile(local_path, path), "copy", url)
             return
         if self.backend == "memory":
             self.fs.pipe_file(path, Path(local_path).read_bytes())
             return
-        self._call(lambda: self.fs.put_file(os.fspath(local_path), path), f"upload {url}")
+        self._call(lambda: self.fs.put_file(os.fspath(local_path), path), "upload", url)
 
     def get_to_local(self, url: str, local_path: str | os.PathLike[str]) -> None:
         """Download (or copy) `url` to a local file, whole-file retried on s3."""
         path = self.path(url)
         os.makedirs(os.path.dirname(os.fspath(local_path)), exist_ok=True)
         if self.backend == "file":
-            shutil.copyfile(path, local_path)
+            self._call(lambda: shutil.copyfile(path, local_path), "copy", url)
             return
-        self._call(lambda: self.fs.get_file(path, os.fspath(local_path)), f"download {url}")
+        self._call(lambda: self.fs.get_file(path, os.fspath(local_path)), "download", url)
 
     def open_write(self, url: str) -> IO[bytes]:
         """A streaming writer for file:// and memory:// (s3 writes are spooled and uploaded whole)."""
@@ -332,12 +362,21 @@ class ObjectStore:
         self._ensure_parent(path)
         return self.fs.open(path, "wb")
 
+    def remove_file(self, url: str) -> None:
+        """Remove one object; nothing there is fine."""
+        path = self.path(url)
+
+        def rm() -> None:
+            if self.fs.exists(path):
+                self.fs.rm_file(path)
+
+        self._call(rm, "remove", url)
+
     def remove_tree(self, url: str) -> None:
         """Remove everything under `url`; nothing there is fine."""
         path = self.path(url)
         if self.backend == "file":
-            if os.path.isdir(path):
-                shutil.rmtree(path)
+            self._call(lambda: shutil.rmtree(path) if os.path.isdir(path) else None, "remove", url)
             return
 
         def rm() -> None:
@@ -347,4 +386,4 @@ class ObjectStore:
             if self.backend == "memory" and self.fs.isdir(path):
                 self.fs.rm(path, recursive=True)
 
-        self._call(rm, f"remove {url}")
+        self._call(rm, "remove", url)

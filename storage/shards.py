@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import os
-import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -40,6 +39,7 @@ from storage.schemas import (
     check_rows,
     check_shard_schema,
 )
+from storage.scratch import spool_file
 from storage.stages import StageOutput
 
 logger = logging.getLogger(__name__)
@@ -251,10 +251,10 @@ class ShardWriter:
         self._next_index += 1
         spool = None
         if layout.store.backend == "s3":
-            fd, spool = tempfile.mkstemp(prefix="shard-", suffix=".parquet", dir=self.spool_dir)
-            sink = HashingSink(os.fdopen(fd, "wb"))
+            fd, spool = spool_file("shard", ".parquet", folder=self.spool_dir)
+            sink = HashingSink(os.fdopen(fd, "wb"), url=url)
         else:
-            sink = HashingSink(layout.store.open_write(url))
+            sink = HashingSink(layout.store.open_write(url), url=url)
         writer = pq.ParquetWriter(sink, self.arrow_schema, **self._options)
         self._shard = _OpenShard(url, sink, writer, spool)
         return self._shard

@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from storage.errors import AlreadyCommittedError, ChecksumMismatchError, NotCommittedError
+from storage.faults import crash_point
 from storage.layout import RunLayout, read_run
 from storage.manifest import (
     Manifest,
@@ -115,8 +116,10 @@ class StageOutput:
             "metrics": plain_metrics(metrics or {}),
             "timings": {"wall_s": round(time.monotonic() - self._started, 3), **plain_metrics(timings or {})},
         }
+        crash_point(f"stage.files_written:{self.stage}", self.iteration)
         manifest = write_manifest(self.layout, self.layout.stage_manifest(self.iteration, self.stage), data)
         self._committed = True
+        crash_point(f"stage.committed:{self.stage}", self.iteration)
         logger.info(
             "committed %s of iteration %d: %d file(s), %d rows, %d bytes (%s)",
             self.stage, self.iteration, len(self._files), data["rows"], data["bytes"], manifest.sha256[:12],

@@ -11,10 +11,10 @@ import hashlib
 import json
 import logging
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
+from storage.scratch import owner_tag
 from tasks.runtime import Run
 
 logger = logging.getLogger(__name__)
@@ -63,7 +63,8 @@ def materialise_base(run: Run, *, progress: bool = True) -> tuple[Path, dict[str
         return out, json.loads(info_path.read_text())
     train_rows, eval_rows = load_splits(cfg.data, seed=cfg.seed)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".partial-", dir=out.parent))
+    tmp = out.parent / f"{out.name}.partial{owner_tag()}"  # swept if this process is killed
+    tmp.mkdir()
     b = cfg.model.bootstrap
     info = bootstrap_checkpoint(
         str(tmp),
@@ -85,7 +86,10 @@ def materialise_base(run: Run, *, progress: bool = True) -> tuple[Path, dict[str
         progress=progress,
     )
     info = {"source": "bootstrap", **{k: v for k, v in info.items() if isinstance(v, (int, float, str))}}
-    (tmp / "bootstrap.json").write_text(json.dumps(info, indent=2))
+    # The file travels inside checkpoint iter-0: only what the weights are a function of, no timings,
+    # so the same settings give the same checkpoint bytes on any machine.
+    stored = {k: v for k, v in info.items() if not k.endswith(("seconds", "per_second"))}
+    (tmp / "bootstrap.json").write_text(json.dumps(stored, indent=2))
     try:
         tmp.rename(out)  # atomic; a concurrent bootstrap of the same spec may have won the race
     except OSError:

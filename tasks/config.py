@@ -234,7 +234,12 @@ class LossConfig(_Section):
     alpha: float = Field(0.5, ge=0, le=1, description="0 = KL(teacher||student), 1 = KL(student||teacher)")
     is_clip: float | None = Field(2.0, gt=0, description="per-token importance-weight cap; null = off")
     mask_reduction: Literal["exclude", "dilute"] = "dilute"
-    aggregation: Literal["token-mean", "sequence-mean"] = "token-mean"
+    aggregation: Literal["token-mean", "sequence-mean"] = Field(
+        "sequence-mean",
+        description="sequence-mean: each response's token mean, then the mean over responses (the paper "
+        "code's one sequence per micro-batch, and TRL's); token-mean: one mean over all tokens, so long "
+        "responses weigh more",
+    )
     grpo_normalize_std: bool = False
     clip_low: float = Field(0.2, ge=0)
     clip_high: float = Field(0.28, ge=0)
@@ -276,7 +281,11 @@ class TrainConfig(_Section):
     micro_batch_size: int = Field(16, ge=1)
     tensor_parallel: int = Field(1, ge=1)
     megatron_checkpoint_every: int = Field(
-        1, ge=1, description="save the resumable Megatron checkpoint every N iterations (and the last)"
+        1,
+        ge=1,
+        description="save the full training state (Megatron checkpoint: weights, Adam, schedule) every N "
+        "iterations and at the last; a resume in between replays the iterations since the last one from "
+        "their stored teacher shards, so it stays exact",
     )
     attention: Literal["local", "sdpa"] = Field(
         "local", description="core attention: Megatron's unfused local one, or torch SDPA (cuDNN/flash on GPU)"
@@ -308,6 +317,24 @@ class TrainConfig(_Section):
         return self
 
 
+class KeepRuleConfig(_Section):
+    """Keep a checkpoint when any clause holds; no clause at all keeps every checkpoint."""
+
+    last: int | None = Field(None, ge=1, description="the last N iterations")
+    every: int | None = Field(None, ge=1, description="every M-th iteration")
+    best: str | None = Field(None, description="the iteration with the highest value of this eval metric, e.g. eval/greedy_accuracy")
+
+
+class RetentionConfig(_Section):
+    """Which checkpoints keep their files after each commit (`sdpo gc RUN --dry-run` shows the plan).
+    What a resume or the next iteration reads is always kept (storage/retention.py)."""
+
+    resumable: KeepRuleConfig = Field(
+        KeepRuleConfig(), description="full training state (weights, Adam, schedule: ~16 bytes per parameter)"
+    )
+    weights: KeepRuleConfig = Field(KeepRuleConfig(), description="HF policy and teacher weights")
+
+
 class StorageConfig(_Section):
     root: str = Field("runs", description="run root: a local path, file://, s3:// or memory:// URL")
     storage_options: dict[str, Any] = Field(
@@ -318,6 +345,10 @@ class StorageConfig(_Section):
     logprob_dtype: Literal["float32", "float16"] = "float32"
     lock_lease_seconds: int = Field(
         3600, ge=10, description="a run lock older than this (and not renewed) may be taken over"
+    )
+    retention: RetentionConfig = RetentionConfig()
+    cache_max_gb: float | None = Field(
+        None, gt=0, description="bound the local checkpoint cache: least recently used checkpoints are evicted"
     )
 
 
@@ -332,6 +363,60 @@ class EvalConfig(_Section):
     sampled_n: int = Field(4, ge=1, description="samples per prompt for sampled accuracy")
     temperature: float = Field(0.6, ge=0)
     top_p: float = Field(0.95, gt=0, le=1)
+
+
+class StageLaunch(_Section):
+    """How one stage's process is started; placement only, never a change to what it computes."""
+
+    launcher: Literal["inprocess", "subprocess", "torchrun", "work-pool"] = Field(
+        "inprocess",
+        description="inprocess: inside the flow's process; subprocess: a fresh `sdpo stage` process (its "
+        "crash cannot take the flow down); torchrun: `sdpo stage` under torchrun over nproc_per_node x nnodes "
+        "ranks; work-pool: its own flow run of the `deployment`, on that deployment's Prefect work pool",
+    )
+    deployment: str | None = Field(
+        None, description="work-pool: the deployment of flows/stage.py:sdpo_stage to run, e.g. sdpo-stage/gpu"
+    )
+    timeout_s: float | None = Field(None, gt=0, description="work-pool: give up waiting for the stage's flow run after this")
+    nproc_per_node: int = Field(1, ge=1, description="torchrun: processes on this node")
+    nnodes: int = Field(1, ge=1, description="torchrun: nodes taking part (each runs the same flow step)")
+    node_rank: int = Field(0, ge=0, description="torchrun: this node's rank among nnodes")
+    rdzv_endpoint: str | None = Field(
+        None, description="torchrun with nnodes > 1: host:port of the rendezvous (c10d), reachable from every node"
+    )
+    master_port: int | None = Field(None, ge=1, le=65535, description="torchrun on one node: fixed port (default: a free one)")
+
+    @model_validator(mode="after")
+    def _torchrun_fields(self) -> StageLaunch:
+        if self.launcher != "torchrun" and (self.nproc_per_node, self.nnodes) != (1, 1):
+            raise ValueError(f"nproc_per_node/nnodes need launcher='torchrun', not {self.launcher!r}")
+        if (self.launcher == "work-pool") != (self.deployment is not None):
+            raise ValueError("launcher='work-pool' and deployment (e.g. sdpo-stage/gpu) go together")
+        if self.nnodes > 1 and not self.rdzv_endpoint:
+            raise ValueError(f"nnodes={self.nnodes} needs rdzv_endpoint (host:port reachable from every node)")
+        if self.node_rank >= self.nnodes:
+            raise ValueError(f"node_rank={self.node_rank} must be below nnodes={self.nnodes}")
+        return self
+
+
+class LaunchConfig(_Section):
+    """Where each stage runs. Not part of the run's frozen config: a run can move between machines
+    and launchers and resume, since every stage reads its inputs from the store and writes its outputs there."""
+
+    rollout: StageLaunch = StageLaunch()
+    teacher: StageLaunch = StageLaunch()
+    train: StageLaunch = StageLaunch()
+    eval: StageLaunch = StageLaunch()
+
+    @model_validator(mode="after")
+    def _torchrun_stages(self) -> LaunchConfig:
+        for stage in ("rollout", "eval"):
+            if getattr(self, stage).launcher == "torchrun":
+                raise ValueError(
+                    f"launch.{stage}.launcher='torchrun': sampling scales out through SGLang servers behind the "
+                    "router (rollout.engine=sglang), not torchrun; use inprocess or subprocess"
+                )
+        return self
 
 
 class RunConfig(_Section):
@@ -351,6 +436,7 @@ class RunConfig(_Section):
     storage: StorageConfig = StorageConfig()
     tracking: TrackingConfig = TrackingConfig()
     eval: EvalConfig = EvalConfig()
+    launch: LaunchConfig = LaunchConfig()
 
     @model_validator(mode="after")
     def _cross_section(self) -> RunConfig:
@@ -370,6 +456,17 @@ class RunConfig(_Section):
             raise ValueError(
                 f"rollout.group_size={self.rollout.group_size}: GRPO advantages need groups of >= 2 answers"
             )
+        if self.launch.teacher.launcher == "torchrun" and self.teacher.backend != "megatron":
+            raise ValueError(
+                "launch.teacher.launcher='torchrun' needs teacher.backend='megatron' (the HF scorer runs in one process)"
+            )
+        for stage in ("teacher", "train"):
+            spec = getattr(self.launch, stage)
+            world = spec.nproc_per_node * spec.nnodes
+            if spec.launcher == "torchrun" and world % self.train.tensor_parallel:
+                raise ValueError(
+                    f"launch.{stage}: {world} ranks are not a multiple of train.tensor_parallel={self.train.tensor_parallel}"
+                )
         per_iter = self.data.prompts_per_iteration * self.rollout.group_size
         if per_iter % self.train.steps_per_iteration:
             raise ValueError(
@@ -446,7 +543,14 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
 
 
 def to_dict(cfg: RunConfig) -> dict[str, Any]:
-    """The fully resolved config as plain JSON-able data (what run.json stores)."""
+    """The fully resolved config of the experiment as plain JSON-able data (what run.json freezes).
+
+    The `launch` section (where stages run) is left out: placement never changes results."""
+    return cfg.model_dump(mode="json", exclude={"launch"})
+
+
+def full_dict(cfg: RunConfig) -> dict[str, Any]:
+    """Everything, placement included (what `sdpo validate` prints)."""
     return cfg.model_dump(mode="json")
 
 

@@ -66,15 +66,15 @@ def teacher_accuracy(run: Run, teacher_dir: Path, *, progress: bool = False) -> 
 
 def run_evaluation(root: str, run_name: str, iteration: int) -> dict[str, float]:
     """Evaluate the policy written by `iteration` (0 = the initial model); cached in the store."""
+    from storage.faults import crash_point
     from storage.stages import read_eval, write_eval
-    from tasks.runtime import checkpoint_dir, open_run
-
-    from tasks.runtime import teacher_source
+    from tasks.runtime import checkpoint_dir, open_run, teacher_source
 
     run = open_run(root, run_name)
     cached = read_eval(run.layout, iteration)
     if cached is not None:
         return cached
+    crash_point("stage.start:eval", iteration)
     metrics = evaluate_checkpoint(run, checkpoint_dir(run, iteration, "policy"))
     # The teacher that scores the next iteration, shown the reference answer as a peer solution:
     # SDPO can only distil what this teacher knows (trust-region mixing is not applied here).

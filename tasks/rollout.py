@@ -199,6 +199,9 @@ def run_rollout(root: str, run_name: str, iteration: int) -> dict:
     if stage_done(run.layout, iteration, "rollout"):
         logger.info("iteration %d rollout already committed; reusing it", iteration)
         return read_stage_manifest(run.layout, iteration, "rollout")
+    from storage.faults import crash_point
+
+    crash_point("stage.start:rollout", iteration)
 
     started = time.perf_counter()
     train_rows, _ = load_splits(cfg.data, seed=cfg.seed)

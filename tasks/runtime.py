@@ -9,6 +9,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
 from storage.checkpoints import download_checkpoint
 from storage.layout import RunLayout, read_run_config
 from tasks.config import RunConfig, build_config
@@ -37,17 +39,42 @@ def open_run(root: str, run: str) -> Run:
     return Run(layout=layout, cfg=cfg)
 
 
+def run_layout(cfg: RunConfig) -> RunLayout:
+    """The layout of the run `cfg` describes, its storage options registered for this process."""
+    from storage.urls import register_options
+
+    register_options(cfg.storage.root, cfg.storage.storage_options)
+    return RunLayout(cfg.storage.root, cfg.name)
+
+
+def start_run(cfg: RunConfig, layout: RunLayout, *, allow_config_change: bool = False) -> Run:
+    """Create or open the run (refusing a changed config unless allowed), and sweep what crashed
+    processes left behind (temporary files of the store and the cache). Call it holding the run lock.
+    The returned run's config is the frozen one, with `cfg`'s placement (`launch`)."""
+    from storage.layout import create_or_open_run
+    from storage.scratch import sweep_local
+    from tasks.config import to_dict
+
+    create_or_open_run(layout, to_dict(cfg), allow_config_change=allow_config_change)
+    sweep_local(cfg.storage.cache_dir, layout.local_dir)
+    run = open_run(cfg.storage.root, cfg.name)
+    # The frozen config says what the run computes; where its stages run is this process's choice.
+    return Run(layout=run.layout, cfg=run.cfg.model_copy(update={"launch": cfg.launch}))
+
+
 def checkpoint_dir(run: Run, iteration: int, kind: str) -> Path:
     """A verified local copy of checkpoint `kind` ('policy' / 'teacher') written by `iteration`.
 
     Iteration 0 is the initial model.
     """
+    max_gb = run.cfg.storage.cache_max_gb
     return download_checkpoint(
         run.layout,
         f"iter-{iteration}",
         kind,
         cache_dir=run.cfg.storage.cache_dir,
         verify=run.cfg.storage.verify_sha256,
+        max_cache_bytes=None if max_gb is None else int(max_gb * 2**30),
     )
 
 
@@ -71,3 +98,23 @@ def teacher_source(run: Run, iteration: int) -> tuple[Path, Path | None]:
     if mode == "trust-region":
         return checkpoint_dir(run, previous, "policy"), checkpoint_dir(run, 0, "policy")
     raise ValueError(f"teacher.update={mode!r} is not a known update mode")
+
+
+def apply_retention(run: Run, *, dry_run: bool = False) -> list[Any]:
+    """Prune the checkpoints `storage.retention` does not keep (see storage/retention.py); the plan."""
+    from storage.retention import KeepRule, apply
+    from storage.stages import read_eval
+
+    rules = run.cfg.storage.retention
+
+    def eval_metric(n: int, name: str) -> float | None:
+        metrics = read_eval(run.layout, n)
+        return None if metrics is None or name not in metrics else float(metrics[name])
+
+    return apply(
+        run.layout,
+        resumable=KeepRule(**rules.resumable.model_dump()),
+        weights=KeepRule(**rules.weights.model_dump()),
+        eval_metric=eval_metric,
+        dry_run=dry_run,
+    )

@@ -11,8 +11,9 @@ from __future__ import annotations
 import importlib.util
 import logging
 import shutil
-import tempfile
 from pathlib import Path
+
+from storage.scratch import owner_tag
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +55,8 @@ def materialise_smollm2(cache_dir: str | Path) -> Path:
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(loaded.state_dict())
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".partial-", dir=out.parent))
+    tmp = out.parent / f"{out.name}.partial{owner_tag()}"  # swept if this process is killed
+    tmp.mkdir()
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     try:

@@ -13,7 +13,6 @@ import dataclasses
 import json
 import logging
 import random
-import tempfile
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -340,6 +339,7 @@ class MegatronTrainer:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         cfg = self.cfg
+        seed_training_rng(cfg.seed, iteration)
         n_rows = len(columns["sample_id"])
         dp_rank = parallel_state.get_data_parallel_rank()
         dp_size = parallel_state.get_data_parallel_world_size()
@@ -407,63 +407,129 @@ class MegatronTrainer:
         save_megatron_as_hf(self.model.module, self.hf_config, str(out_dir), tokenizer_dir=str(tokenizer_dir))
 
     def save_megatron(self, out_dir: Path, *, iteration: int) -> None:
+        """The full training state after `iteration`: weights (fp32 master copies included), Adam's
+        moments and step, the LR schedule. RNG state is not saved: every iteration seeds it from
+        (seed, iteration, data-parallel rank), see `seed_training_rng`."""
         import torch
         from megatron.core import dist_checkpointing
+
+        from storage.faults import crash_point
 
         out_dir.mkdir(parents=True, exist_ok=True)
         state = self.model.module.sharded_state_dict(prefix="model.")
         state["optimizer"] = self.optimizer.sharded_state_dict(state)
         dist_checkpointing.save(state, str(out_dir))
-        extra = {
-            "scheduler": self.scheduler.state_dict(),
-            "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()},
-            "iteration": iteration,
-        }
-        torch.save(extra, out_dir / "trainer_state.pt")
-        (out_dir / "cursor.json").write_text(json.dumps({"iteration": iteration}))
+        crash_point("checkpoint.saving:megatron", iteration)
+        if torch.distributed.get_rank() == 0:  # the same on every rank
+            torch.save({"scheduler": self.scheduler.state_dict(), "iteration": iteration}, out_dir / "trainer_state.pt")
+            (out_dir / "cursor.json").write_text(json.dumps({"iteration": iteration}))
 
     def load_megatron(self, ckpt_dir: Path) -> None:
+        """Restore what `save_megatron` wrote. The optimizer's template is built for loading
+        (`is_loading=True` creates Adam's state tensors), so its moments and step are read too."""
         import torch
         from megatron.core import dist_checkpointing
 
         state = self.model.module.sharded_state_dict(prefix="model.")
-        state["optimizer"] = self.optimizer.sharded_state_dict(state)
+        state["optimizer"] = self.optimizer.sharded_state_dict(state, is_loading=True)
         loaded = dist_checkpointing.load(state, str(ckpt_dir))
         model_state = {k.removeprefix("model."): v for k, v in loaded.items() if k.startswith("model.")}
         self.model.module.load_state_dict(model_state, strict=False)
         self.optimizer.load_state_dict(loaded["optimizer"])
         extra = torch.load(ckpt_dir / "trainer_state.pt", weights_only=False)
         self.scheduler.load_state_dict(extra["scheduler"])
-        torch.set_rng_state(extra["rng"]["torch"])
-        random.setstate(extra["rng"]["python"])
-        np.random.set_state(extra["rng"]["numpy"])
         self.iteration = int(extra["iteration"])
 
 
-def get_trainer(run: Run, iteration: int) -> MegatronTrainer:
-    """A trainer holding the state after iteration-1: reused in process, else resumed from the store."""
+def seed_training_rng(seed: int, iteration: int) -> None:
+    """Seed every RNG training may draw from (torch, numpy, python, Megatron's model-parallel
+    tracker) from (seed, iteration, data-parallel rank) alone: an iteration trains the same way
+    whether its process trained the previous one, resumed from the store, or replayed."""
+    import torch
+    from megatron.core import parallel_state, tensor_parallel as mcore_tp
+
+    rank = parallel_state.get_data_parallel_rank()
+    value = int(np.random.SeedSequence([seed, iteration, rank]).generate_state(1)[0])
+    torch.manual_seed(value)
+    mcore_tp.model_parallel_cuda_manual_seed(value)  # adds the tensor-parallel rank's offset itself
+    np.random.seed(value)
+    random.seed(value)
+
+
+def full_state_iteration(run: Run, iteration: int) -> int:
+    """The last iteration <= `iteration` with a committed full training state (0: the base model)."""
     from storage.checkpoints import checkpoint_exists
+    from storage.manifest import stage_done
+
+    from storage.retention import is_pruned
+
+    for m in range(iteration, 0, -1):
+        committed = stage_done(run.layout, m, "train") and checkpoint_exists(run.layout, m, "megatron")
+        if committed and not is_pruned(run.layout, m, "megatron"):
+            return m
+    return 0
+
+
+def restore_trainer(run: Run, iteration: int) -> MegatronTrainer:
+    """A trainer in exactly the state it had after `iteration`, rebuilt from the store.
+
+    The last full state (Megatron checkpoint) at or before `iteration` is loaded, and the
+    iterations after it are replayed from their committed teacher shards (training is a function
+    of the state, the shards and the seed); each replayed iteration is checked against the policy
+    checkpoint it committed.
+    """
+    from storage.shards import read_stage_columns
     from tasks.runtime import checkpoint_dir
 
+    start = full_state_iteration(run, iteration)
+    # The base model gives the architecture (and the weights when start = 0); retention never prunes it.
+    trainer = MegatronTrainer(run.cfg, checkpoint_dir(run, 0, "policy"))
+    if start > 0:
+        trainer.load_megatron(checkpoint_dir(run, start, "megatron"))
+    for m in range(start + 1, iteration + 1):
+        logger.info("replaying the training of iteration %d from its teacher shards (full state of iteration %d)", m, start)
+        columns = read_stage_columns(run.layout, m, "teacher", verify=run.cfg.storage.verify_sha256)
+        trainer.train_iteration(columns, iteration=m)
+        check_replay(run, trainer, m)
+    trainer.iteration = iteration
+    return trainer
+
+
+def check_replay(run: Run, trainer: MegatronTrainer, iteration: int) -> None:
+    """Fail when replaying `iteration` did not reproduce the policy weights it committed."""
+    import torch
+
+    from storage.checkpoints import read_checkpoint_manifest
+    from storage.objects import sha256_local_file
+    from storage.scratch import scratch_dir
+    from tasks.runtime import checkpoint_dir
+
+    stored = {e["name"]: e["sha256"] for e in read_checkpoint_manifest(run.layout, iteration, "policy").data["files"]}
+    with scratch_dir(run.cfg.storage.cache_dir, "replay") as tmp:
+        trainer.save_hf(tmp, checkpoint_dir(run, 0, "policy"))  # collective; rank 0 writes (tokenizer: the base's)
+        if torch.distributed.get_rank() != 0:
+            return
+        replayed = sha256_local_file(tmp / "model.safetensors")
+    if replayed != stored["model.safetensors"]:
+        raise RuntimeError(
+            f"replaying iteration {iteration} of run {run.layout.run_name!r} gave weights {replayed[:12]}, but its "
+            f"committed policy has {stored['model.safetensors'][:12]}: training is not deterministic here, so "
+            "resume exactly needs train.megatron_checkpoint_every=1"
+        )
+
+
+def get_trainer(run: Run, iteration: int) -> MegatronTrainer:
+    """A trainer holding the state after iteration-1: this process's own when it trained that
+    iteration, else restored from the store (`restore_trainer`); both are the same state."""
     from tasks.megatron.parallel import init_parallel
 
     trainer = _TRAINERS.get(run.url)
     if trainer is not None and trainer.iteration == iteration - 1:
         # The CPU compatibility patches are per thread; a stage may run on a new worker thread.
-        init_parallel(tensor_parallel=run.cfg.train.tensor_parallel, seed=run.cfg.seed + iteration)
+        init_parallel(tensor_parallel=run.cfg.train.tensor_parallel, seed=run.cfg.seed)
         return trainer
-    policy_dir = checkpoint_dir(run, iteration - 1, "policy")
-    trainer = MegatronTrainer(run.cfg, policy_dir)
-    if iteration - 1 > 0:
-        if checkpoint_exists(run.layout, iteration - 1, "megatron"):
-            trainer.load_megatron(checkpoint_dir(run, iteration - 1, "megatron"))
-        else:
-            logger.warning(
-                "no Megatron checkpoint for iteration %d: resuming from its HF weights with a fresh "
-                "optimizer state (set train.megatron_checkpoint_every=1 to resume exactly)",
-                iteration - 1,
-            )
-            trainer.iteration = iteration - 1
+    _TRAINERS.pop(run.url, None)
+    trainer = restore_trainer(run, iteration - 1)
     _TRAINERS[run.url] = trainer
     return trainer
 
@@ -472,35 +538,101 @@ def update_teacher(run: Run, iteration: int, policy_dir: Path, out_dir: Path) ->
     """Write the EMA teacher of `iteration` into out_dir; False when the mode keeps no teacher copy."""
     if run.cfg.teacher.update != "ema":
         return False
+    from tasks.runtime import teacher_source
+
+    previous, _ = teacher_source(run, iteration)
+    ema_teacher_folder(previous, policy_dir, out_dir, rate=run.cfg.teacher.update_rate)
+    return True
+
+
+def ema_teacher_folder(previous: Path, policy_dir: Path, out_dir: Path, *, rate: float) -> None:
+    """`out_dir` = the policy folder with its weights replaced by the EMA teacher's, kept in float32.
+
+    The teacher is the EMA's master copy: with bf16 weights and tau = 0.05, an update of 5% of a
+    weight's distance to the student rounds away for most weights and the teacher would never move,
+    so the teacher is read, updated and stored in float32 whatever the policy's dtype.
+    """
     import shutil
 
     from safetensors.torch import load_file, save_file
 
     from sdpo_core.teacher_update import ema_update_
-    from tasks.runtime import teacher_source
 
-    previous, _ = teacher_source(run, iteration)
-    teacher = load_file(str(previous / "model.safetensors"))
+    teacher = {k: v.float() if v.is_floating_point() else v for k, v in load_file(str(previous / "model.safetensors")).items()}
     student = load_file(str(policy_dir / "model.safetensors"))
-    ema_update_(teacher, student, rate=run.cfg.teacher.update_rate)
+    ema_update_(teacher, student, rate=rate)
     shutil.copytree(policy_dir, out_dir, dirs_exist_ok=True)
     save_file(teacher, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    return True
 
 
-def run_train(root: str, run_name: str, iteration: int) -> dict:
-    """Training stage of `iteration`: returns its manifest (skips when already committed)."""
-    from storage.checkpoints import resolve_checkpoint, upload_checkpoint
+def _shared_scratch(cache_dir: str, rank: int) -> Any:
+    """A scratch folder every rank writes into: rank 0 makes it, the others are told its path."""
+    import contextlib
+
+    import torch.distributed as dist
+
+    from storage.scratch import scratch_dir
+
+    @contextlib.contextmanager
+    def shared() -> Any:
+        if dist.get_world_size() == 1:
+            with scratch_dir(cache_dir, "ckpt") as path:
+                yield path
+            return
+        holder: list[Any] = [None]
+        with contextlib.ExitStack() as stack:
+            if rank == 0:
+                holder[0] = str(stack.enter_context(scratch_dir(cache_dir, "ckpt")))
+            dist.broadcast_object_list(holder, src=0)
+            yield Path(holder[0])
+            dist.barrier()  # nobody is still writing when rank 0 removes it
+
+    return shared()
+
+
+def _check_shared(folder: Path, world: int) -> None:
+    """Every rank left its marker in `folder`: the ranks share the file system the checkpoint needs."""
+    missing = [r for r in range(world) if not (folder / f".rank-{r}").exists()]
+    if missing:
+        raise RuntimeError(
+            f"ranks {missing} wrote their checkpoint shards somewhere rank 0 cannot see ({folder}): with "
+            "torchrun over several nodes, storage.cache_dir must be on a file system all nodes share"
+        )
+
+
+def run_train(root: str, run_name: str, iteration: int) -> dict | None:
+    """Training stage of `iteration`: returns its manifest (skips when already committed).
+
+    Its outputs are the checkpoints of `iteration` plus the stage manifest naming them, written
+    last. Checkpoints found without that manifest come from an attempt that was killed; they are
+    discarded and the iteration is trained again, which gives the same weights.
+
+    Under torchrun every rank trains (tensor x data parallel) and saves its share; rank 0 alone
+    discards, uploads and writes manifests, and returns the manifest (the other ranks return None).
+    """
+    import torch.distributed as dist
+
+    from storage.checkpoints import discard_checkpoint, resolve_checkpoint, upload_checkpoint
+    from storage.faults import crash_point
+    from storage.layout import CHECKPOINT_KINDS
     from storage.manifest import read_stage_manifest, stage_done
-    from storage.stages import write_stage_manifest
     from storage.shards import read_stage_columns
-    from tasks.runtime import open_run
+    from storage.stages import write_stage_manifest
+    from tasks.megatron.parallel import init_parallel
+    from tasks.runtime import checkpoint_dir, open_run
 
     run = open_run(root, run_name)
     cfg = run.cfg
     if stage_done(run.layout, iteration, "train"):
         logger.info("iteration %d training already committed; reusing it", iteration)
         return read_stage_manifest(run.layout, iteration, "train")
+    init_parallel(tensor_parallel=cfg.train.tensor_parallel, seed=cfg.seed)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if rank == 0:
+        crash_point("stage.start:train", iteration)
+        for kind in CHECKPOINT_KINDS:
+            discard_checkpoint(run.layout, iteration, kind)
+    dist.barrier()
 
     started = time.perf_counter()
     parent = read_stage_manifest(run.layout, iteration, "teacher")
@@ -511,36 +643,45 @@ def run_train(root: str, run_name: str, iteration: int) -> dict:
     metrics["train/seconds"] = time.perf_counter() - train_started
     tokens = float(sum(len(r) for r in columns["response_ids"]) + sum(len(p) for p in columns["prompt_ids"]))
     metrics["train/tokens_per_second"] = tokens / max(metrics["train/seconds"], 1e-9)
-
-    from tasks.runtime import checkpoint_dir
+    metrics["train/ranks"] = float(world)
+    crash_point("train.trained", iteration)
 
     base_dir = checkpoint_dir(run, iteration - 1, "policy")
-    with tempfile.TemporaryDirectory(prefix="sdpo-ckpt-") as tmp:
-        tmp_path = Path(tmp)
+    with _shared_scratch(cfg.storage.cache_dir, rank) as tmp_path:
         policy_dir = tmp_path / "policy"
-        trainer.save_hf(policy_dir, base_dir)
-        policy_manifest = upload_checkpoint(
-            policy_dir,
-            run.layout,
-            iteration,
-            "policy",
-            parent=resolve_checkpoint(run.layout, iteration - 1, "policy"),
-            trained_on=[parent],
-        )
-        produced = [policy_manifest]
-        teacher_dir = tmp_path / "teacher"
-        if update_teacher(run, iteration, policy_dir, teacher_dir):
-            produced.append(
-                upload_checkpoint(teacher_dir, run.layout, iteration, "teacher", parent=policy_manifest, trained_on=[parent])
+        trainer.save_hf(policy_dir, base_dir)  # collective; rank 0 writes
+        produced = []
+        if rank == 0:
+            policy_manifest = upload_checkpoint(
+                policy_dir,
+                run.layout,
+                iteration,
+                "policy",
+                parent=resolve_checkpoint(run.layout, iteration - 1, "policy"),
+                trained_on=[parent],
             )
+            produced.append(policy_manifest)
+            teacher_dir = tmp_path / "teacher"
+            if update_teacher(run, iteration, policy_dir, teacher_dir):
+                produced.append(
+                    upload_checkpoint(teacher_dir, run.layout, iteration, "teacher", parent=policy_manifest, trained_on=[parent])
+                )
         last = iteration == cfg.iterations
         if last or iteration % cfg.train.megatron_checkpoint_every == 0:
             save_started = time.perf_counter()
             mdir = tmp_path / "megatron"
-            trainer.save_megatron(mdir, iteration=iteration)
-            produced.append(
-                upload_checkpoint(mdir, run.layout, iteration, "megatron", parent=policy_manifest, trained_on=[parent])
-            )
+            trainer.save_megatron(mdir, iteration=iteration)  # collective; every rank writes its shards
+            if world > 1:
+                (tmp_path / f".rank-{rank}").touch()
+                dist.barrier()
+            if rank == 0:
+                if world > 1:
+                    _check_shared(tmp_path, world)
+                produced.append(
+                    upload_checkpoint(mdir, run.layout, iteration, "megatron", parent=produced[0], trained_on=[parent])
+                )
             metrics["train/megatron_save_seconds"] = time.perf_counter() - save_started
+    if rank != 0:
+        return None
     metrics["train/stage_seconds"] = time.perf_counter() - started
     return write_stage_manifest(run.layout, iteration, "train", parents=[parent, *produced], metrics=metrics)

@@ -12,46 +12,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import yaml
+
+from tests.integration.runs import write_config
 
 REPO = Path(__file__).resolve().parents[2]
-
-TINY = {
-    "seed": 3,
-    "iterations": 2,
-    "model": {
-        "bootstrap": {
-            "hidden_size": 32,
-            "num_layers": 2,
-            "num_heads": 4,
-            "num_kv_heads": 2,
-            "intermediate_size": 64,
-            "max_positions": 128,
-            "warmup_steps": 4,
-            "warmup_batch_size": 8,
-        }
-    },
-    "data": {"max_operand": 20, "prompts_per_iteration": 4, "eval_prompts": 6},
-    "rollout": {"group_size": 4, "max_new_tokens": 4, "top_k": 8},
-    "train": {"steps_per_iteration": 2, "micro_batch_size": 3},
-    "optimizer": {"lr": 1.0e-3},
-    "eval": {"every": 1, "sampled_n": 2},
-}
-
-
-def write_config(tmp_path: Path, name: str, root: str | None = None, **sections) -> Path:
-    tree = json.loads(json.dumps(TINY))
-    tree["name"] = name
-    tree["storage"] = {"root": root or str(tmp_path / "runs"), "cache_dir": str(tmp_path / "cache")}
-    tree["tracking"] = {"uri": f"sqlite:///{tmp_path / 'mlflow.db'}"}
-    for section, values in sections.items():
-        if isinstance(values, dict):
-            tree.setdefault(section, {}).update(values)
-        else:
-            tree[section] = values
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(tree))
-    return path
 
 
 def test_two_iterations_commit_shards_checkpoints_and_metrics(tmp_path, prefect_server):
@@ -114,6 +78,26 @@ def test_rerunning_a_finished_run_changes_nothing_and_a_changed_config_is_refuse
     assert read_iteration_manifest(layout, 1).sha256 == digest
 
 
+def test_an_accepted_config_change_is_tagged_on_the_mlflow_run_once(tmp_path, prefect_server):
+    from mlflow.tracking import MlflowClient
+
+    from flows.run import sdpo_run
+
+    config = write_config(tmp_path, "changed")
+    sdpo_run(str(config), ["iterations=1"])
+    sdpo_run(str(config), ["iterations=2", "optimizer.lr=0.002"], allow_config_change=True)
+    sdpo_run(str(config), ["iterations=2", "optimizer.lr=0.002"])  # same config again: nothing new
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("sdpo").experiment_id])
+    tags = run.data.tags
+    assert tags["sdpo.config_changes"] == "1" and "sdpo.config_change.2" not in tags
+    assert "iterations: 1 -> 2" in tags["sdpo.config_change.1"]
+    assert "optimizer.lr: 0.001 -> 0.002" in tags["sdpo.config_change.1"]
+    assert run.data.params["optimizer.lr"] == "0.001"  # MLflow params are immutable: the tag says what changed
+    steps = [m.step for m in client.get_metric_history(run.info.run_id, "tracking/step")]
+    assert steps == [0, 1, 2]
+
+
 def test_grpo_baseline_runs_on_the_same_machinery(tmp_path, prefect_server):
     from flows.run import sdpo_run
 
@@ -144,12 +128,10 @@ def test_sigkill_after_rollout_then_restart_reuses_the_rollout_shards(tmp_path, 
     rollout_before = read_stage_manifest(layout, 2, "rollout")
     mtimes = {p: p.stat().st_mtime_ns for p in (tmp_path / "runs" / "killed").rglob("rollout/*")}
 
-    # the killed process left its lock behind: a restart must take it over explicitly
-    blocked = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert blocked.returncode != 0 and "lock" in (blocked.stdout + blocked.stderr).lower()
-
-    done = subprocess.run([*cmd, "--force-unlock"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    # the killed process left its lock behind; its holder is gone, so the same command takes it over
+    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "took over stale lock" in done.stdout + done.stderr
     assert read_latest(layout) == 2
     assert read_stage_manifest(layout, 2, "rollout").sha256 == rollout_before.sha256
     assert {p: p.stat().st_mtime_ns for p in (tmp_path / "runs" / "killed").rglob("rollout/*")} == mtimes

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tests.integration.test_pipeline import write_config
+from tests.integration.runs import write_config
 from tests.sglang_server.app import Fault, start_server
 
 
@@ -44,6 +44,6 @@ def test_sglang_rollout_matches_the_embedded_engine_and_survives_faults(tmp_path
 
 
 def yaml_rollout() -> dict:
-    from tests.integration.test_pipeline import TINY
+    from tests.integration.runs import TINY
 
     return dict(TINY["rollout"])

@@ -9,7 +9,10 @@ REPO = Path(__file__).resolve().parents[2]
 runner = CliRunner()
 
 
-@pytest.mark.parametrize("command", ["run", "validate", "lineage", "status", "eval", "prepare-data"])
+@pytest.mark.parametrize(
+    "command",
+    ["run", "advance", "validate", "lineage", "status", "verify", "gc", "stage", "eval", "prepare-data", "view"],
+)
 def test_every_command_has_help(command):
     result = runner.invoke(app, [command, "--help"])
     assert result.exit_code == 0, result.output

@@ -166,8 +166,9 @@ def test_commit_iteration_names_every_part_then_moves_latest(layout: RunLayout, 
     _iteration(layout, 1, tmp_path)
     second = commit_iteration(layout, 1, metrics={})
     assert second.data["previous"] == manifest.ref and read_latest(layout) == 1
-    with pytest.raises(AlreadyCommittedError):
-        commit_iteration(layout, 1, metrics={})
+    assert commit_iteration(layout, 1, metrics={"ignored": 1}) == second  # idempotent
+    with pytest.raises(AlreadyCommittedError, match="iteration 0 .* is committed but LATEST is 1"):
+        commit_iteration(layout, 0, metrics={})
 
 
 def test_iterations_commit_in_order_and_only_when_complete(layout: RunLayout, tmp_path: Path) -> None:
@@ -234,3 +235,33 @@ def test_manifest_metrics_must_be_finite_json_numbers() -> None:
 def test_stage_needs_an_existing_run(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="does not exist"):
         StageOutput(RunLayout(str(tmp_path), "missing"), 0, "rollout")
+
+
+def test_a_manifest_that_is_not_utf8_json_names_its_url(layout: RunLayout) -> None:
+    from storage.errors import CorruptManifestError
+    from storage.manifest import read_manifest
+
+    manifest = _rollout(layout, 0)
+    url = layout.url(manifest.path)
+    for payload, message in [(b"{\"a\": \"\xff\"}", "is not UTF-8"), (b"{not json", "is not valid JSON"), (b"[1]", "a JSON list")]:
+        layout.store.fs.pipe_file(layout.store.path(url), payload)
+        with pytest.raises(CorruptManifestError, match=message) as err:
+            read_manifest(layout, url)
+        assert url in str(err.value)
+
+
+def test_latest_is_verified_against_its_iteration_manifest(layout: RunLayout, tmp_path: Path) -> None:
+    from storage.errors import ChecksumMismatchError, CorruptManifestError
+    from storage.manifest import verify_latest
+
+    assert verify_latest(layout) is None
+    _iteration(layout, 0, tmp_path)
+    commit_iteration(layout, 0, metrics={})
+    assert verify_latest(layout) == 0
+    pointer = json.loads(layout.store.read_bytes(layout.latest))
+    layout.store.write_bytes(layout.latest, json.dumps({**pointer, "sha256": "0" * 64}).encode())
+    with pytest.raises(ChecksumMismatchError, match="iter-0/_manifest.json"):
+        verify_latest(layout)
+    layout.store.write_bytes(layout.latest, json.dumps({**pointer, "iteration": "zero"}).encode())
+    with pytest.raises(CorruptManifestError, match="field 'iteration' is 'zero'"):
+        verify_latest(layout)

@@ -1,0 +1,61 @@
+"""Named crash points, for the fault-injection tests and for anyone auditing the restart guarantees.
+
+The pipeline calls `crash_point(name, iteration)` at every stage boundary and inside each write
+path. Normally that is one environment lookup. With `SDPO_CRASH_AT=<name>@<iteration>` (or just
+`<name>` for every iteration) set, reaching that point kills the whole process group with SIGKILL,
+as a power cut or an OOM kill would: no `finally`, no atexit, no flush. The restart tests run a
+real `sdpo run` with each point armed, then run the same command again and compare the result with
+an uninterrupted run. `CRASH_POINTS` lists every point, in the order one iteration reaches them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+
+logger = logging.getLogger(__name__)
+
+CRASH_ENV = "SDPO_CRASH_AT"
+
+CRASH_POINTS = (
+    "stage.start:rollout",
+    "stage.files_written:rollout",  # shards written, manifest not yet
+    "stage.committed:rollout",  # manifest written, task not yet returned
+    "stage.start:teacher",
+    "stage.files_written:teacher",
+    "stage.committed:teacher",
+    "stage.start:train",
+    "train.trained",  # optimizer steps done, nothing saved
+    "checkpoint.uploading:policy",  # some files of the policy checkpoint uploaded
+    "checkpoint.committed:policy",  # policy checkpoint manifest written, train manifest not yet
+    "checkpoint.uploading:teacher",
+    "checkpoint.committed:teacher",
+    "checkpoint.saving:megatron",  # inside the distributed-checkpoint save (local temp folder)
+    "checkpoint.uploading:megatron",
+    "checkpoint.committed:megatron",
+    "stage.files_written:train",
+    "stage.committed:train",
+    "commit.start",
+    "commit.manifest_written",  # iteration manifest written, LATEST not yet moved
+    "commit.latest_moved",
+    "stage.start:eval",
+    "stage.files_written:eval",
+    "stage.committed:eval",
+    "tracking.logged",  # the step's metrics are in MLflow
+)
+
+
+def crash_point(name: str, iteration: int | None = None) -> None:
+    """SIGKILL this process group here when `SDPO_CRASH_AT` names this point (and iteration)."""
+    if name not in CRASH_POINTS:
+        raise ValueError(f"crash point {name!r} is not in storage.faults.CRASH_POINTS")
+    spec = os.environ.get(CRASH_ENV)
+    if not spec:
+        return
+    point, _, at = spec.partition("@")
+    if point != name or (at and (iteration is None or int(at) != iteration)):
+        return
+    logger.warning("crash point %s (iteration %s) reached: killing process group", name, iteration)
+    os.killpg(os.getpgid(0), signal.SIGKILL)
+

@@ -1,0 +1,111 @@
+"""Tiny run configs and run fingerprints shared by the pipeline and restart tests.
+
+A fingerprint is what an interrupted run must share with an uninterrupted one: LATEST, every
+committed file's sha256 (shards, checkpoint weights, eval metrics), the set of files in the run
+folder, the lineage, and the final policy's sha256. Manifests themselves differ between two runs
+only by their timestamps, so their own digests are not part of it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+TINY: dict[str, Any] = {
+    "seed": 3,
+    "iterations": 2,
+    "model": {
+        "bootstrap": {
+            "hidden_size": 32,
+            "num_layers": 2,
+            "num_heads": 4,
+            "num_kv_heads": 2,
+            "intermediate_size": 64,
+            "max_positions": 128,
+            "warmup_steps": 4,
+            "warmup_batch_size": 8,
+        }
+    },
+    "data": {"max_operand": 20, "prompts_per_iteration": 4, "eval_prompts": 6},
+    "rollout": {"group_size": 4, "max_new_tokens": 4, "top_k": 8},
+    "train": {"steps_per_iteration": 2, "micro_batch_size": 3},
+    "optimizer": {"lr": 1.0e-3},
+    "eval": {"every": 1, "sampled_n": 2},
+}
+
+
+def write_config(tmp_path: Path, name: str, root: str | None = None, *, base: dict | None = None, **sections) -> Path:
+    """`<tmp_path>/<name>.yaml`: the tiny config (or `base`) named `name`, runs under `root`."""
+    tree = json.loads(json.dumps(base or TINY))
+    tree["name"] = name
+    tree["storage"] = {"root": root or str(tmp_path / "runs"), "cache_dir": str(tmp_path / "cache")}
+    tree["tracking"] = {"uri": f"sqlite:///{tmp_path / 'mlflow.db'}"}
+    for section, values in sections.items():
+        if isinstance(values, dict):
+            tree.setdefault(section, {}).update(values)
+        else:
+            tree[section] = values
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(tree))
+    return path
+
+
+def final_policy_sha(layout: Any) -> str:
+    """sha256 of the final policy's weights (model.safetensors of the LATEST policy checkpoint)."""
+    from storage.checkpoints import resolve_checkpoint
+
+    files = resolve_checkpoint(layout, "latest", "policy").data["files"]
+    return next(f["sha256"] for f in files if f["name"] == "model.safetensors")
+
+
+def fingerprint(layout: Any) -> dict[str, Any]:
+    """What must not depend on how often or where the run was interrupted (see the module doc)."""
+    from storage.checkpoints import lineage
+    from storage.layout import CHECKPOINT_KINDS, STAGES
+    from storage.manifest import read_latest, read_manifest
+
+    from storage.stages import EVAL_FILE, read_eval
+
+    digests: dict[str, str] = {}
+    evals: dict[int, dict[str, float]] = {}
+    for n in layout.iterations():
+        for stage in STAGES:
+            url = layout.stage_manifest(n, stage)
+            if layout.store.exists(url):
+                files = read_manifest(layout, url).data["files"]
+                digests.update({f["path"]: f["sha256"] for f in files if not f["path"].endswith("/" + EVAL_FILE)})
+        if (metrics := read_eval(layout, n)) is not None:  # timings aside, the evaluation must agree
+            evals[n] = {k: v for k, v in metrics.items() if not k.endswith("seconds")}
+    for n in layout.checkpoint_iterations():
+        for kind in CHECKPOINT_KINDS:
+            url = layout.checkpoint_manifest(n, kind)
+            if layout.store.exists(url):
+                for f in read_manifest(layout, url).data["files"]:
+                    # the distributed checkpoint's own metadata records where and when it was written
+                    if kind != "megatron" or f["name"].endswith(".pt") or f["name"] == "cursor.json":
+                        digests[f["path"]] = f["sha256"]
+    files = sorted(layout.relative(u) for u in layout.store.list_files(layout.run_url))
+    return {
+        "latest": read_latest(layout),
+        "final_policy": final_policy_sha(layout),
+        "digests": digests,
+        "evals": evals,
+        "files": [f for f in files if f != "LOCK"],
+        "lineage": [
+            (r.iteration, r.kind, r.parent_ok, r.trained_on_ok, r.committed, len(r.trained_on)) for r in lineage(layout)
+        ],
+    }
+
+
+def differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+    """Readable differences between two fingerprints (empty when they agree)."""
+    out = [f"{key}: {a[key]!r} != {b[key]!r}" for key in a if key not in ("digests", "files") and a[key] != b[key]]
+    for path in sorted(set(a["digests"]) | set(b["digests"])):
+        if a["digests"].get(path) != b["digests"].get(path):
+            out.append(f"{path}: {a['digests'].get(path)} != {b['digests'].get(path)}")
+    out += [f"file only in one run: {f}" for f in sorted(set(a["files"]) ^ set(b["files"]))]
+    return out
