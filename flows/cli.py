@@ -6,7 +6,7 @@ import contextlib
 import logging
 import os
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
@@ -22,6 +22,11 @@ ConfigArg = Annotated[Path, typer.Argument(help="YAML run config, e.g. configs/d
 OverridesArg = Annotated[
     Optional[list[str]], typer.Argument(help="dotted overrides, e.g. loss.alpha=0.5 rollout.group_size=4")
 ]
+AllowChangeOpt = Annotated[
+    bool, typer.Option(help="continue an existing run under a changed config (the change is recorded)")
+]
+ForceUnlockOpt = Annotated[bool, typer.Option(help="take over a run lock whose lease expired")]
+VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="every stage's log lines")]
 
 
 def _setup_logging(verbose: bool) -> None:
@@ -79,26 +84,33 @@ def _fail(message: str) -> None:
     raise typer.Exit(2)
 
 
+def _load(config: Path, overrides: list[str] | None) -> Any:
+    """The validated config of a run to start, or exit 2 with the fields to fix: everything is
+    checked (data, storage root, tokenizer limits) before Prefect, MLflow or a run folder sees it."""
+    from tasks.config import ConfigError, load_config
+    from tasks.preflight import preflight
+
+    try:
+        cfg = load_config(config, overrides or [])
+        preflight(cfg)
+    except ConfigError as err:
+        _fail(str(err))
+    return cfg
+
+
 @app.command()
 def run(
     config: ConfigArg,
     overrides: OverridesArg = None,
-    allow_config_change: Annotated[
-        bool, typer.Option(help="continue an existing run under a changed config (the change is recorded)")
-    ] = False,
-    force_unlock: Annotated[bool, typer.Option(help="take over a run lock whose lease expired")] = False,
-    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="every stage's log lines")] = False,
+    allow_config_change: AllowChangeOpt = False,
+    force_unlock: ForceUnlockOpt = False,
+    verbose: VerboseOpt = False,
 ) -> None:
     """Create or resume a run and iterate it to the configured number of iterations."""
     from rich.console import Console
 
-    from tasks.config import ConfigError, load_config
-
     _setup_logging(verbose)
-    try:
-        cfg = load_config(config, overrides or [])
-    except ConfigError as err:
-        _fail(str(err))
+    cfg = _load(config, overrides)
     from flows.run import sdpo_run
     from tasks.summary import render_table
 
@@ -117,20 +129,13 @@ def run(
 def advance(
     config: ConfigArg,
     overrides: OverridesArg = None,
-    allow_config_change: Annotated[
-        bool, typer.Option(help="continue an existing run under a changed config (the change is recorded)")
-    ] = False,
-    force_unlock: Annotated[bool, typer.Option(help="take over a run lock whose lease expired")] = False,
-    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="every stage's log lines")] = False,
+    allow_config_change: AllowChangeOpt = False,
+    force_unlock: ForceUnlockOpt = False,
+    verbose: VerboseOpt = False,
 ) -> None:
     """Advance a run by one iteration (creating it if needed), as a scheduled deployment does."""
-    from tasks.config import ConfigError, load_config
-
     _setup_logging(verbose)
-    try:
-        cfg = load_config(config, overrides or [])
-    except ConfigError as err:
-        _fail(str(err))
+    cfg = _load(config, overrides)
     from flows.iteration import sdpo_advance
 
     with prefect_local_mode(cfg.name):
@@ -143,13 +148,15 @@ def advance(
 
 @app.command()
 def validate(config: ConfigArg, overrides: OverridesArg = None) -> None:
-    """Validate a config (with overrides) and print it fully resolved, defaults included."""
+    """Validate a config (with overrides, data and tokenizer checks) and print it fully resolved, defaults included."""
     import yaml
 
     from tasks.config import ConfigError, full_dict, load_config
+    from tasks.preflight import preflight
 
     try:
-        cfg = load_config(config, overrides or [])
+        cfg = load_config(config, overrides or [])  # credentials are refused here, so never printed
+        preflight(cfg)
     except ConfigError as err:
         _fail(str(err))
     typer.echo(yaml.safe_dump(full_dict(cfg), sort_keys=False))
@@ -234,6 +241,37 @@ def verify(
     for url, what in report.problems:
         typer.secho(f"  {url}: {what}", fg=typer.colors.RED, err=True)
     raise typer.Exit(1)
+
+
+@app.command()
+def gc(
+    run_name: Annotated[str, typer.Argument(help="run name")],
+    root: Annotated[str, typer.Option(help="run root (path or URL)")] = "runs",
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="print the plan, delete nothing")] = False,
+) -> None:
+    """Apply the run's checkpoint retention (storage.retention): keep what it says and what a resume
+    needs, remove the files of the rest (manifests stay, so lineage and verify still check them)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from storage.lock import RunLock
+    from tasks.runtime import apply_retention, open_run
+
+    run = open_run(root, run_name)
+    if dry_run:
+        decisions = apply_retention(run, dry_run=True)
+    else:
+        with RunLock(run.layout, lease_seconds=run.cfg.storage.lock_lease_seconds):
+            decisions = apply_retention(run)
+    table = Table(title=f"retention of {run.layout.run_url}" + (" (dry run)" if dry_run else ""))
+    for column in ("iteration", "kind", "MiB", "decision", "why"):
+        table.add_column(column)
+    for d in decisions:
+        table.add_row(str(d.iteration), d.kind, f"{d.bytes / 2**20:.1f}", "keep" if d.keep else "prune", d.reason)
+    console = Console()
+    console.print(table)
+    freed = sum(d.bytes for d in decisions if not d.keep)
+    console.print(f"{'would free' if dry_run else 'freed'} {freed / 2**20:.1f} MiB")
 
 
 @app.command("stage")

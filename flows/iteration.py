@@ -37,13 +37,15 @@ def eval_due(n: int, *, every: int, last: int) -> bool:
 
 
 def complete_iteration(run: Any, tracker: Any, n: int) -> tuple[dict[str, float], bool]:
-    """Iteration n of `run` done: committed (n > 0), evaluated when due, logged to MLflow once.
+    """Iteration n of `run` done: committed (n > 0), evaluated when due, logged to MLflow once,
+    and the checkpoints retention does not keep pruned.
 
     Returns (the step's metrics, whether this call trained the iteration). Everything is read back
     from the store, so a call after a crash finishes what the crashed process left undone.
     """
     from storage.manifest import read_iteration_manifest, read_latest
     from storage.stages import read_eval
+    from tasks.runtime import apply_retention
 
     cfg, root, name = run.cfg, run.layout.root_url, run.layout.run_name
     launch = cfg.launch.model_dump(mode="json")
@@ -58,6 +60,8 @@ def complete_iteration(run: Any, tracker: Any, n: int) -> tuple[dict[str, float]
         evaluated = read_eval(run.layout, n)
         metrics.update(evaluated if evaluated is not None else stages.evaluate(root, name, n, launch["eval"]))
     tracker.log_step(n, metrics)
+    if ran or n == cfg.iterations:
+        apply_retention(run)
     return metrics, ran
 
 
@@ -76,10 +80,12 @@ def sdpo_advance(
     from storage.lock import RunLock
     from storage.manifest import read_iteration_manifest, read_latest
     from tasks.config import load_config
+    from tasks.preflight import preflight
     from tasks.runtime import run_layout, start_run
     from tasks.tracking import open_tracker
 
     cfg = load_config(config_path, overrides or [])
+    preflight(cfg)  # before the run lock: a run that cannot start leaves no run folder
     layout = run_layout(cfg)
     with RunLock(layout, lease_seconds=cfg.storage.lock_lease_seconds, force=force_unlock):
         run = start_run(cfg, layout, allow_config_change=allow_config_change)

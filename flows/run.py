@@ -43,11 +43,13 @@ def sdpo_run(
     from storage.lock import RunLock
     from storage.manifest import read_latest
     from tasks.config import load_config
+    from tasks.preflight import preflight
     from tasks.runtime import run_layout, start_run
     from tasks.summary import RunSummary
     from tasks.tracking import open_tracker
 
     cfg = load_config(config_path, overrides or [])
+    preflight(cfg)  # before the run lock: a run that cannot start leaves no run folder
     layout = run_layout(cfg)
     with RunLock(layout, lease_seconds=cfg.storage.lock_lease_seconds, force=force_unlock) as lock:
         run = start_run(cfg, layout, allow_config_change=allow_config_change)

@@ -42,6 +42,11 @@ from sdpo_core.teacher_context import (
 logger = logging.getLogger(__name__)
 
 
+def _usable(policy: Any, group: Sequence[SampleRecord]) -> list[bool]:
+    """Whether each success would show its peers anything (failures: True, they are never chosen)."""
+    return [s.reward < policy.success_threshold or bool(policy.demonstration_text(s).strip()) for s in group]
+
+
 def _check_group(group: Sequence[SampleRecord]) -> None:
     if len(group) == 0:
         raise ValueError("prepare_group needs a non-empty group")
@@ -177,13 +182,15 @@ class SDPOFeedback(FeedbackPolicy):
         return fit_demonstration(text, max_chars=self.max_demo_chars, overflow=self.demo_overflow)
 
     def demonstrations(self, group: Sequence[SampleRecord]) -> list[int | None]:
-        """The first success of the group, excluding the sample itself by default."""
+        """The first success of the group with a non-empty demonstration, excluding the sample
+        itself by default."""
         _check_group(group)
         return select_demonstrations(
             [s.reward for s in group],
             [s.group_id for s in group],
             success_threshold=self.success_threshold,
             exclude_self=self.dont_reprompt_on_self_success,
+            usable=_usable(self, group),
         )
 
     def prepare_group(self, group: Sequence[SampleRecord]) -> list[TeacherContext]:
@@ -246,14 +253,16 @@ class RelaxSDPOFeedback(FeedbackPolicy):
     def demonstrations(self, group: Sequence[SampleRecord]) -> list[int | None]:
         """The first other success of the group; a lone success gets itself."""
         _check_group(group)
+        usable = _usable(self, group)
         peers = select_demonstrations(
             [s.reward for s in group],
             [s.group_id for s in group],
             success_threshold=self.success_threshold,
             exclude_self=True,
+            usable=usable,
         )
         return [
-            i if peer is None and sample.reward >= self.success_threshold else peer
+            i if peer is None and sample.reward >= self.success_threshold and usable[i] else peer
             for i, (sample, peer) in enumerate(zip(group, peers, strict=True))
         ]
 

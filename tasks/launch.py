@@ -8,7 +8,9 @@ writes its outputs and manifest there (`STAGE_BODIES`). `sdpo stage NAME --root 
 - `subprocess`: `python -m flows.cli stage ...` in a fresh process; a crash of the stage cannot take
   the flow down, and the stage's memory is returned to the system when it ends;
 - `torchrun`: the same command under `torch.distributed.run` over `nproc_per_node` x `nnodes` ranks
-  (training and Megatron teacher scoring, tensor x data parallel); only rank 0 writes manifests.
+  (training and Megatron teacher scoring, tensor x data parallel); only rank 0 writes manifests;
+- `work-pool`: a flow run of a deployment of `flows/stage.py:sdpo_stage` on a Prefect work pool,
+  waited for; the pool's worker decides where it runs.
 
 A launched stage that exits non-zero fails with `StageProcessError` carrying the end of its output
 (under torchrun, the failing rank's traceback). Nothing is passed back but the exit status: the
@@ -123,6 +125,9 @@ def launch_stage(
     if spec["launcher"] == "inprocess":
         run_stage(stage, root, run, iteration)
         return
+    if spec["launcher"] == "work-pool":
+        _run_on_work_pool(stage, root, run, iteration, spec, storage_options=storage_options)
+        return
     command = stage_command(stage, root, run, iteration, spec)
     env = dict(os.environ)
     if storage_options:
@@ -138,6 +143,31 @@ def launch_stage(
             f"{done.returncode}; its last output:\n{done.stdout[-_TAIL:]}"
         )
     logger.debug("%s of iteration %d finished:\n%s", stage, iteration, done.stdout[-_TAIL:])
+
+
+def _run_on_work_pool(
+    stage: str, root: str, run: str, iteration: int, spec: Mapping[str, Any], *, storage_options: Mapping[str, Any] | None
+) -> None:
+    """The stage as a flow run of `spec['deployment']` (flows/stage.py), waited for; its failure is ours."""
+    from prefect.deployments import run_deployment
+
+    parameters = {"stage": stage, "root": root, "run": run, "iteration": iteration,
+                  "storage_options": dict(storage_options or {})}
+    logger.info("running %s of iteration %d on deployment %s", stage, iteration, spec["deployment"])
+    flow_run = run_deployment(
+        spec["deployment"],
+        parameters=parameters,
+        flow_run_name=f"{run}/iter-{iteration:04d}/{stage}",
+        timeout=spec["timeout_s"],
+        poll_interval=1,
+    )
+    state = flow_run.state
+    if state is None or not state.is_completed():
+        raise StageProcessError(
+            f"stage {stage} of iteration {iteration} of run {run!r} on deployment {spec['deployment']}: flow run "
+            f"{flow_run.name} ({flow_run.id}) ended {state.name if state else 'without a state'}: "
+            f"{state.message if state else ''}"
+        )
 
 
 def register_stage_options(root: str) -> None:

@@ -461,8 +461,11 @@ def full_state_iteration(run: Run, iteration: int) -> int:
     from storage.checkpoints import checkpoint_exists
     from storage.manifest import stage_done
 
+    from storage.retention import is_pruned
+
     for m in range(iteration, 0, -1):
-        if stage_done(run.layout, m, "train") and checkpoint_exists(run.layout, m, "megatron"):
+        committed = stage_done(run.layout, m, "train") and checkpoint_exists(run.layout, m, "megatron")
+        if committed and not is_pruned(run.layout, m, "megatron"):
             return m
     return 0
 
@@ -479,7 +482,8 @@ def restore_trainer(run: Run, iteration: int) -> MegatronTrainer:
     from tasks.runtime import checkpoint_dir
 
     start = full_state_iteration(run, iteration)
-    trainer = MegatronTrainer(run.cfg, checkpoint_dir(run, start, "policy"))
+    # The base model gives the architecture (and the weights when start = 0); retention never prunes it.
+    trainer = MegatronTrainer(run.cfg, checkpoint_dir(run, 0, "policy"))
     if start > 0:
         trainer.load_megatron(checkpoint_dir(run, start, "megatron"))
     for m in range(start + 1, iteration + 1):
@@ -493,6 +497,8 @@ def restore_trainer(run: Run, iteration: int) -> MegatronTrainer:
 
 def check_replay(run: Run, trainer: MegatronTrainer, iteration: int) -> None:
     """Fail when replaying `iteration` did not reproduce the policy weights it committed."""
+    import torch
+
     from storage.checkpoints import read_checkpoint_manifest
     from storage.objects import sha256_local_file
     from storage.scratch import scratch_dir
@@ -500,7 +506,9 @@ def check_replay(run: Run, trainer: MegatronTrainer, iteration: int) -> None:
 
     stored = {e["name"]: e["sha256"] for e in read_checkpoint_manifest(run.layout, iteration, "policy").data["files"]}
     with scratch_dir(run.cfg.storage.cache_dir, "replay") as tmp:
-        trainer.save_hf(tmp, checkpoint_dir(run, iteration - 1, "policy"))
+        trainer.save_hf(tmp, checkpoint_dir(run, 0, "policy"))  # collective; rank 0 writes (tokenizer: the base's)
+        if torch.distributed.get_rank() != 0:
+            return
         replayed = sha256_local_file(tmp / "model.safetensors")
     if replayed != stored["model.safetensors"]:
         raise RuntimeError(
@@ -530,20 +538,31 @@ def update_teacher(run: Run, iteration: int, policy_dir: Path, out_dir: Path) ->
     """Write the EMA teacher of `iteration` into out_dir; False when the mode keeps no teacher copy."""
     if run.cfg.teacher.update != "ema":
         return False
+    from tasks.runtime import teacher_source
+
+    previous, _ = teacher_source(run, iteration)
+    ema_teacher_folder(previous, policy_dir, out_dir, rate=run.cfg.teacher.update_rate)
+    return True
+
+
+def ema_teacher_folder(previous: Path, policy_dir: Path, out_dir: Path, *, rate: float) -> None:
+    """`out_dir` = the policy folder with its weights replaced by the EMA teacher's, kept in float32.
+
+    The teacher is the EMA's master copy: with bf16 weights and tau = 0.05, an update of 5% of a
+    weight's distance to the student rounds away for most weights and the teacher would never move,
+    so the teacher is read, updated and stored in float32 whatever the policy's dtype.
+    """
     import shutil
 
     from safetensors.torch import load_file, save_file
 
     from sdpo_core.teacher_update import ema_update_
-    from tasks.runtime import teacher_source
 
-    previous, _ = teacher_source(run, iteration)
-    teacher = load_file(str(previous / "model.safetensors"))
+    teacher = {k: v.float() if v.is_floating_point() else v for k, v in load_file(str(previous / "model.safetensors")).items()}
     student = load_file(str(policy_dir / "model.safetensors"))
-    ema_update_(teacher, student, rate=run.cfg.teacher.update_rate)
+    ema_update_(teacher, student, rate=rate)
     shutil.copytree(policy_dir, out_dir, dirs_exist_ok=True)
     save_file(teacher, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    return True
 
 
 def _shared_scratch(cache_dir: str, rank: int) -> Any:

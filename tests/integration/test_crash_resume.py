@@ -30,7 +30,7 @@ NAME = "crash"
 EVAL_STEPS = [0, 2, 3]
 
 CHAINS: dict[str, list[str]] = {
-    "rollout-teacher": [f"{p}@2" for p in CRASH_POINTS if p.endswith((":rollout", ":teacher"))],
+    "rollout-teacher": [f"{p}@2" for p in CRASH_POINTS if p.startswith("stage.") and p.endswith((":rollout", ":teacher"))],
     "train": [f"{p}@2" for p in CRASH_POINTS if p.endswith(":train") or p.startswith(("train.", "checkpoint."))],
     "commit-eval-tracking": [f"{p}@2" for p in CRASH_POINTS if p.startswith(("commit.", "tracking.")) or p.endswith(":eval")],
     "base-and-last": [

@@ -132,3 +132,35 @@ def test_a_two_node_torchrun_on_loopback_runs_a_training_stage(tmp_path, prefect
     assert stage_done(done, 1, "train")
     assert read_stage_manifest(done, 1, "train").data["metrics"]["train/ranks"] == 2.0
     assert _max_difference(_weights(single, 1), _weights(done, 1)) < 1e-5
+
+
+def test_a_stage_on_a_prefect_work_pool_runs_on_a_real_process_worker(tmp_path, prefect_server):
+    """The train stage as its own flow run of a `sdpo-stage` deployment, picked up by a real
+    `prefect worker` of a process work pool on the test server: the run equals one trained in process."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate
+
+    from flows.stage import sdpo_stage
+
+    pool = f"stages-{tmp_path.name[-12:]}".replace("_", "-")
+    with get_client(sync_client=True) as client:
+        client.create_work_pool(WorkPoolCreate(name=pool, type="process"))
+    sdpo_stage.from_source(source=str(REPO), entrypoint="flows/stage.py:sdpo_stage").deploy(
+        name=pool, work_pool_name=pool, print_next_steps=False
+    )
+    env = dict(os.environ, PREFECT_API_URL=prefect_server, PREFECT_WORKER_QUERY_SECONDS="1", OMP_NUM_THREADS="1")
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "prefect", "worker", "start", "--pool", pool, "--limit", "1"],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )
+    try:
+        single = fingerprint(_run(tmp_path, "single", ONE))
+        pooled = fingerprint(
+            _run(tmp_path, "pooled", ONE,
+                 launch={"train": {"launcher": "work-pool", "deployment": f"sdpo-stage/{pool}", "timeout_s": 600}})
+        )
+    finally:
+        os.killpg(worker.pid, 9)
+        log = worker.communicate(timeout=30)[0]
+    assert differences(single, pooled) == [], log[-3000:]
+    assert "placed/iter-0001/train" in log, log[-3000:]  # the worker ran the stage's flow run
