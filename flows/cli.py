@@ -22,6 +22,13 @@ ConfigArg = Annotated[Path, typer.Argument(help="YAML run config, e.g. configs/d
 OverridesArg = Annotated[
     Optional[list[str]], typer.Argument(help="dotted overrides, e.g. loss.alpha=0.5 rollout.group_size=4")
 ]
+AllowChangeOpt = Annotated[
+    bool, typer.Option(help="continue an existing run under a changed config (the change is recorded)")
+]
+ForceUnlockOpt = Annotated[
+    bool, typer.Option(help="take over a run lock whose lease expired and whose holder did not heartbeat")
+]
+VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="every stage's log lines")]
 
 
 def _setup_logging(verbose: bool) -> Any:
@@ -76,27 +83,34 @@ def _fail(message: str) -> None:
     raise typer.Exit(2)
 
 
+def _load(config: Path, overrides: list[str] | None) -> Any:
+    """The validated config of a run to start, or exit 2 with the fields to fix: everything is
+    checked (data, storage root, tokenizer limits) before Prefect, MLflow or a run folder sees it."""
+    from tasks.config import ConfigError, load_config
+    from tasks.preflight import preflight
+
+    try:
+        cfg = load_config(config, overrides or [])
+        preflight(cfg)
+    except ConfigError as err:
+        _fail(str(err))
+    return cfg
+
+
 @app.command()
 def run(
     config: ConfigArg,
     overrides: OverridesArg = None,
-    allow_config_change: Annotated[
-        bool, typer.Option(help="continue an existing run under a changed config (the change is recorded)")
-    ] = False,
-    force_unlock: Annotated[bool, typer.Option(help="take over a run lock whose lease expired and whose holder did not heartbeat")] = False,
-    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="every stage's log lines")] = False,
+    allow_config_change: AllowChangeOpt = False,
+    force_unlock: ForceUnlockOpt = False,
+    verbose: VerboseOpt = False,
 ) -> None:
     """Create or resume a run and iterate it to the configured number of iterations, with a progress
     bar (iteration and stage under way, ETA) and a summary table at the end."""
     from rich.console import Console
 
-    from tasks.config import ConfigError, load_config
-
     log_console = _setup_logging(verbose)
-    try:
-        cfg = load_config(config, overrides or [])
-    except ConfigError as err:
-        _fail(str(err))
+    cfg = _load(config, overrides)
     from flows.progress import iteration_progress
     from flows.run import sdpo_run
     from tasks.runtime import run_layout
@@ -117,20 +131,13 @@ def run(
 def advance(
     config: ConfigArg,
     overrides: OverridesArg = None,
-    allow_config_change: Annotated[
-        bool, typer.Option(help="continue an existing run under a changed config (the change is recorded)")
-    ] = False,
-    force_unlock: Annotated[bool, typer.Option(help="take over a run lock whose lease expired and whose holder did not heartbeat")] = False,
-    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="every stage's log lines")] = False,
+    allow_config_change: AllowChangeOpt = False,
+    force_unlock: ForceUnlockOpt = False,
+    verbose: VerboseOpt = False,
 ) -> None:
     """Advance a run by one iteration (creating it if needed), as a scheduled deployment does."""
-    from tasks.config import ConfigError, load_config
-
     _setup_logging(verbose)
-    try:
-        cfg = load_config(config, overrides or [])
-    except ConfigError as err:
-        _fail(str(err))
+    cfg = _load(config, overrides)
     from flows.iteration import sdpo_advance
 
     with prefect_local_mode(cfg.name):
@@ -146,16 +153,18 @@ def advance(
 
 @app.command()
 def validate(config: ConfigArg, overrides: OverridesArg = None) -> None:
-    """Validate a config (with overrides) and print it fully resolved, defaults included."""
+    """Validate a config (with overrides, data and tokenizer checks) and print it fully resolved, defaults included."""
     import yaml
 
-    from tasks.config import ConfigError, load_config, to_dict
+    from tasks.config import ConfigError, full_dict, load_config
+    from tasks.preflight import preflight
 
     try:
-        cfg = load_config(config, overrides or [])
+        cfg = load_config(config, overrides or [])  # credentials are refused here, so never printed
+        preflight(cfg)
     except ConfigError as err:
         _fail(str(err))
-    typer.echo(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    typer.echo(yaml.safe_dump(full_dict(cfg), sort_keys=False))
 
 
 @app.command()
@@ -298,6 +307,56 @@ def verify(
     raise typer.Exit(1)
 
 
+@app.command()
+def gc(
+    run_name: Annotated[str, typer.Argument(help="run name")],
+    root: Annotated[str, typer.Option(help="run root (path or URL)")] = "runs",
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="print the plan, delete nothing")] = False,
+) -> None:
+    """Apply the run's checkpoint retention (storage.retention): keep what it says and what a resume
+    needs, remove the files of the rest (manifests stay, so lineage and verify still check them)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from storage.lock import RunLock
+    from tasks.runtime import apply_retention, open_run
+
+    run = open_run(root, run_name)
+    if dry_run:
+        decisions = apply_retention(run, dry_run=True)
+    else:
+        with RunLock(run.layout, lease_seconds=run.cfg.storage.lock_lease_seconds):
+            decisions = apply_retention(run)
+    table = Table(title=f"retention of {run.layout.run_url}" + (" (dry run)" if dry_run else ""))
+    for column in ("iteration", "kind", "MiB", "decision", "why"):
+        table.add_column(column)
+    for d in decisions:
+        table.add_row(str(d.iteration), d.kind, f"{d.bytes / 2**20:.1f}", "keep" if d.keep else "prune", d.reason)
+    console = Console()
+    console.print(table)
+    freed = sum(d.bytes for d in decisions if not d.keep)
+    console.print(f"{'would free' if dry_run else 'freed'} {freed / 2**20:.1f} MiB")
+
+
+@app.command("stage")
+def stage_command(
+    name: Annotated[str, typer.Argument(help="prepare-base | rollout | teacher | train | commit | eval")],
+    root: Annotated[str, typer.Option(help="run root (path or URL)")],
+    run_name: Annotated[str, typer.Option("--run", "--run-name", help="run name")],
+    iteration: Annotated[int, typer.Option(help="iteration whose stage to run")],
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="every log line of the stage")] = False,
+) -> None:
+    """Run one stage of one iteration as a process: read its inputs from the store, write its outputs
+    and manifest there. The stage launchers start this (under torchrun too); so can any scheduler."""
+    from tasks.launch import STAGES, register_stage_options, run_stage
+
+    if name not in STAGES:
+        _fail(f"unknown stage {name!r}; stages are {', '.join(STAGES)}")
+    _setup_logging(verbose)
+    register_stage_options(root)
+    run_stage(name, root, run_name, iteration)
+
+
 @app.command("eval")
 def evaluate(
     config: ConfigArg,
@@ -339,6 +398,33 @@ def prepare_data(
         _fail(str(err))
     for key, value in stats.items():
         typer.echo(f"{key}: {value}")
+
+
+@app.command()
+def view(
+    run_name: Annotated[str, typer.Argument(help="run name")],
+    root: Annotated[str, typer.Option(help="run root (path or URL, e.g. s3://bucket/runs)")] = "runs",
+    port: Annotated[int, typer.Option(help="port of the web viewer")] = 8765,
+    host: Annotated[str, typer.Option(help="interface to bind; the default serves this machine only")] = "127.0.0.1",
+    tui: Annotated[bool, typer.Option("--tui", help="the terminal viewer instead of the web page")] = False,
+) -> None:
+    """Browse a run's rollouts: samples, groups, teacher context and the teacher's per-token credit (read-only)."""
+    from tasks.viewer.data import RunData
+
+    _setup_logging(False)
+    try:
+        data = RunData(root, run_name)
+    except FileNotFoundError as err:  # no run.json under root
+        _fail(str(err))
+    if tui:
+        from tasks.viewer.tui import ViewerApp
+
+        ViewerApp(data).run()
+        return
+    from tasks.viewer.app import serve
+
+    typer.echo(f"sdpo view: http://{host}:{port}/ (run {data.layout.run_url}, read-only; Ctrl-C stops)")
+    serve(data, host=host, port=port)
 
 
 def main() -> None:

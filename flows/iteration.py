@@ -32,11 +32,15 @@ logger = logging.getLogger(__name__)
 
 
 @flow(name="sdpo-iteration", flow_run_name="{run}/iter-{iteration:04d}", log_prints=False)
-def sdpo_iteration(root: str, run: str, iteration: int) -> dict[str, Any]:
-    """Advance run `run` under `root` by iteration `iteration`; returns the iteration manifest."""
-    rollout = stages.rollout(root, run, iteration)
-    teacher = stages.teacher(root, run, iteration, rollout)
-    trained = stages.train(root, run, iteration, teacher)
+def sdpo_iteration(root: str, run: str, iteration: int, launch: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Advance run `run` under `root` by iteration `iteration`; returns the iteration manifest.
+
+    `launch` maps a stage to where it runs (`tasks.config.LaunchConfig` as a dict); absent: in this process.
+    """
+    launch = launch or {}
+    rollout = stages.rollout(root, run, iteration, launch.get("rollout"))
+    teacher = stages.teacher(root, run, iteration, rollout, launch.get("teacher"))
+    trained = stages.train(root, run, iteration, teacher, launch.get("train"))
     return stages.commit(root, run, iteration, [rollout, teacher, trained])
 
 
@@ -60,7 +64,8 @@ def describe_iteration(n: int, total: int, metrics: dict[str, float]) -> str:
 
 
 def complete_iteration(run: Any, tracker: Any, n: int) -> tuple[dict[str, float], bool]:
-    """Iteration n of `run` done: committed (n > 0), evaluated when due, logged to MLflow once.
+    """Iteration n of `run` done: committed (n > 0), evaluated when due, logged to MLflow once,
+    and the checkpoints retention does not keep pruned.
 
     Returns (the step's metrics, whether this call trained the iteration). Everything is read back
     from the store, so a call after a crash finishes what the crashed process left undone. An
@@ -70,25 +75,29 @@ def complete_iteration(run: Any, tracker: Any, n: int) -> tuple[dict[str, float]
     from flows.artifacts import publish_iteration
     from storage.manifest import read_iteration_manifest, read_latest
     from storage.stages import read_eval
+    from tasks.runtime import apply_retention
     from tasks.summary import sample_table
 
     cfg, root, name = run.cfg, run.layout.root_url, run.layout.run_name
+    launch = cfg.launch.model_dump(mode="json")
     ran = False
     metrics: dict[str, float] = {}
     if n > 0:
         if (read_latest(run.layout) or 0) < n:
-            sdpo_iteration(root, name, n)
+            sdpo_iteration(root, name, n, launch)
             ran = True
         metrics.update(read_iteration_manifest(run.layout, n).data["metrics"])
     if eval_due(n, every=cfg.eval.every, last=cfg.iterations):
         evaluated = read_eval(run.layout, n)
-        metrics.update(evaluated if evaluated is not None else stages.evaluate(root, name, n))
+        metrics.update(evaluated if evaluated is not None else stages.evaluate(root, name, n, launch["eval"]))
     logged = tracker.log_step(n, metrics)
     if n > 0 and (ran or logged):
         logger.info("%s: %s", name, describe_iteration(n, cfg.iterations, metrics))
         samples = sample_table(run, n)
         tracker.log_samples(n, samples)
         publish_iteration(run, tracker, n, metrics, samples)
+    if ran or n == cfg.iterations:
+        apply_retention(run)
     return metrics, ran
 
 
@@ -125,10 +134,12 @@ def sdpo_advance(
     from storage.errors import LockHeldError
     from storage.lock import RunLock, read_lock_holder
     from tasks.config import load_config
+    from tasks.preflight import preflight
     from tasks.runtime import run_layout
 
     quiet_libraries()
     cfg = load_config(config_path, overrides or [])
+    preflight(cfg)  # before the run lock: a run that cannot start leaves no run folder
     layout = run_layout(cfg)
     lease = cfg.storage.lock_lease_seconds
     lock = RunLock(layout, lease_seconds=lease, force=force_unlock, heartbeat_seconds=lease / 4)

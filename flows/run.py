@@ -41,12 +41,14 @@ def sdpo_run(
     from storage.lock import RunLock
     from storage.manifest import read_latest
     from tasks.config import load_config
+    from tasks.preflight import preflight
     from tasks.runtime import run_layout, start_run
     from tasks.summary import RunSummary
     from tasks.tracking import open_tracker
 
     quiet_libraries()
     cfg = load_config(config_path, overrides or [])
+    preflight(cfg)  # before the run lock: a run that cannot start leaves no run folder
     layout = run_layout(cfg)
     name_flow_run(f"{cfg.name}/run-to-{cfg.iterations:04d}")
     lease = cfg.storage.lock_lease_seconds

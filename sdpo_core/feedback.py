@@ -42,6 +42,11 @@ from sdpo_core.teacher_context import (
 logger = logging.getLogger(__name__)
 
 
+def _usable(policy: Any, group: Sequence[SampleRecord]) -> list[bool]:
+    """Whether each success would show its peers anything (failures: True, they are never chosen)."""
+    return [s.reward < policy.success_threshold or bool(policy.demonstration_text(s).strip()) for s in group]
+
+
 def _check_group(group: Sequence[SampleRecord]) -> None:
     if len(group) == 0:
         raise ValueError("prepare_group needs a non-empty group")
@@ -83,6 +88,14 @@ class FeedbackPolicy(ABC):
         return dataclasses.replace(
             sample, reward=float(verdict.reward), feedback=feedback, format_error=verdict.format_error
         )
+
+    def demonstrations(self, group: Sequence[SampleRecord]) -> list[int | None]:
+        """Index in `group` of the sample each sample's teacher is shown as a demonstration, or None.
+
+        Policies without demonstrations (OPD, OPSD) return None for every sample.
+        """
+        _check_group(group)
+        return [None] * len(group)
 
     @abstractmethod
     def prepare_group(self, group: Sequence[SampleRecord]) -> list[TeacherContext]:
@@ -168,14 +181,20 @@ class SDPOFeedback(FeedbackPolicy):
             text = strip_thinking(text)
         return fit_demonstration(text, max_chars=self.max_demo_chars, overflow=self.demo_overflow)
 
-    def prepare_group(self, group: Sequence[SampleRecord]) -> list[TeacherContext]:
+    def demonstrations(self, group: Sequence[SampleRecord]) -> list[int | None]:
+        """The first success of the group with a non-empty demonstration, excluding the sample
+        itself by default."""
         _check_group(group)
-        demos = select_demonstrations(
+        return select_demonstrations(
             [s.reward for s in group],
             [s.group_id for s in group],
             success_threshold=self.success_threshold,
             exclude_self=self.dont_reprompt_on_self_success,
+            usable=_usable(self, group),
         )
+
+    def prepare_group(self, group: Sequence[SampleRecord]) -> list[TeacherContext]:
+        demos = self.demonstrations(group)
         contexts = []
         for sample, demo in zip(group, demos, strict=True):
             solution = None if demo is None else self.demonstration_text(group[demo])
@@ -231,18 +250,26 @@ class RelaxSDPOFeedback(FeedbackPolicy):
             text = strip_thinking(text)
         return fit_demonstration(text, max_chars=self.max_demo_chars, overflow=self.demo_overflow)
 
-    def prepare_group(self, group: Sequence[SampleRecord]) -> list[TeacherContext]:
+    def demonstrations(self, group: Sequence[SampleRecord]) -> list[int | None]:
+        """The first other success of the group; a lone success gets itself."""
         _check_group(group)
+        usable = _usable(self, group)
         peers = select_demonstrations(
             [s.reward for s in group],
             [s.group_id for s in group],
             success_threshold=self.success_threshold,
             exclude_self=True,
+            usable=usable,
         )
+        return [
+            i if peer is None and sample.reward >= self.success_threshold and usable[i] else peer
+            for i, (sample, peer) in enumerate(zip(group, peers, strict=True))
+        ]
+
+    def prepare_group(self, group: Sequence[SampleRecord]) -> list[TeacherContext]:
+        demos = self.demonstrations(group)
         contexts = []
-        for i, (sample, peer) in enumerate(zip(group, peers, strict=True)):
-            succeeded = sample.reward >= self.success_threshold
-            demo = i if peer is None and succeeded else peer
+        for sample, demo in zip(group, demos, strict=True):
             solution = None if demo is None else self.demonstration_text(group[demo])
             feedback = None
             if solution is None and (sample.format_error or sample.truncated) and sample.feedback is not None:

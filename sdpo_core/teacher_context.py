@@ -47,16 +47,21 @@ def select_demonstrations(
     *,
     success_threshold: float,
     exclude_self: bool,
+    usable: Sequence[bool] | None = None,
 ) -> list[int | None]:
     """Index of each sample's demonstration: the first success of its group, or None.
 
-    A success has reward >= `success_threshold`. "First" is by position in `rewards` (the paper's
-    code takes the first by batch index, which is arbitrary but deterministic). With `exclude_self`
-    (the paper's `dont_reprompt_on_self_success`), a sample never gets itself, so a lone success in
-    a group gets None. Groups need not be contiguous; nothing is shared across groups.
+    A success has reward >= `success_threshold` (and, when `usable` is given, `usable[i]`: a success
+    whose demonstration text is empty, such as an answer cut off inside `<think>`, shows its peers
+    nothing and must not count). "First" is by position in `rewards` (the paper's code takes the
+    first by batch index, which is arbitrary but deterministic). With `exclude_self` (the paper's
+    `dont_reprompt_on_self_success`), a sample never gets itself, so a lone success in a group gets
+    None. Groups need not be contiguous; nothing is shared across groups.
     """
     if len(rewards) != len(group_ids):
         raise ValueError(f"rewards and group_ids differ in length: {len(rewards)} vs {len(group_ids)}")
+    if usable is not None and len(usable) != len(rewards):
+        raise ValueError(f"usable and rewards differ in length: {len(usable)} vs {len(rewards)}")
     if not math.isfinite(success_threshold):
         raise ValueError(f"success_threshold must be finite, got {success_threshold!r}")
     bad = [(i, r) for i, r in enumerate(rewards) if not math.isfinite(r)]
@@ -68,7 +73,7 @@ def select_demonstrations(
     first_two: dict[int, list[int]] = {}
     for i, (reward, group) in enumerate(zip(rewards, group_ids, strict=True)):
         successes = first_two.setdefault(group, [])
-        if reward >= success_threshold and len(successes) < 2:
+        if reward >= success_threshold and (usable is None or usable[i]) and len(successes) < 2:
             successes.append(i)
 
     chosen: list[int | None] = []

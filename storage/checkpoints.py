@@ -11,11 +11,12 @@ and the stage manifests it was trained on, which `lineage` follows.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import shutil
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,7 @@ from storage.manifest import (
     write_manifest,
 )
 from storage.objects import sha256_local_file
+from storage.retention import check_not_pruned, is_pruned
 from storage.scratch import owner_tag
 from storage.urls import join
 
@@ -175,19 +177,24 @@ def download_checkpoint(
     *,
     cache_dir: str | os.PathLike[str],
     verify: bool = True,
+    max_cache_bytes: int | None = None,
 ) -> Path:
     """Local folder holding checkpoint `ref`: `<cache_dir>/<manifest digest>/`, downloaded if needed.
 
     A cached copy is reused after checking it against the manifest (sha256 when `verify`); a damaged
-    one is downloaded again. Downloads land in a temp folder renamed into place when complete.
+    one is downloaded again. Downloads land in a temp folder renamed into place when complete. With
+    `max_cache_bytes`, the least recently used checkpoints are evicted after a download until the
+    cache's checkpoints fit (never the one returned).
     """
     manifest = resolve_checkpoint(layout, ref, kind)
+    check_not_pruned(layout, checkpoint_iteration(layout, ref), kind)
     cache = Path(cache_dir)
     target = cache / manifest.sha256
     if target.is_dir():
         problem = _local_copy_problem(target, manifest, verify=verify)
         if problem is None:
             logger.info("checkpoint %s %s: using cached %s", kind, ref, target)
+            os.utime(target)  # recently used: the last to be evicted from a bounded cache
             return target
         logger.warning("cached checkpoint %s is damaged (%s); downloading again", target, problem)
         shutil.rmtree(target)
@@ -208,6 +215,68 @@ def download_checkpoint(
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)
+    if max_cache_bytes is not None:
+        evict_least_recently_used(cache, max_bytes=max_cache_bytes, keep=target)
+    return target
+
+
+def _folder_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+def evict_least_recently_used(cache_dir: Path, *, max_bytes: int, keep: Path) -> list[Path]:
+    """Remove cached checkpoints (`<cache_dir>/<64 hex digits>/`), least recently used first, until
+    they hold at most `max_bytes`; `keep` stays. Returns the removed folders."""
+    entries = [p for p in cache_dir.iterdir() if p.is_dir() and len(p.name) == 64 and p != keep]
+    sizes = {p: _folder_bytes(p) for p in entries}
+    total = sum(sizes.values()) + (_folder_bytes(keep) if keep.is_dir() else 0)
+    removed = []
+    for folder in sorted(entries, key=lambda p: p.stat().st_mtime):
+        if total <= max_bytes:
+            break
+        shutil.rmtree(folder, ignore_errors=True)
+        total -= sizes[folder]
+        removed.append(folder)
+    if removed:
+        logger.info("evicted %d checkpoint(s) from the cache %s to stay under %d bytes", len(removed), cache_dir, max_bytes)
+    return removed
+
+
+
+def download_checkpoint_files(
+    layout: RunLayout,
+    ref: str | int,
+    kind: str = "policy",
+    *,
+    include: Callable[[str], bool],
+    cache_dir: str | os.PathLike[str],
+    verify: bool = True,
+) -> Path:
+    """Local folder holding only the files of checkpoint `ref` whose names pass `include`.
+
+    For readers that need part of a checkpoint (a tokenizer without the weights). The folder is
+    `<cache_dir>/<manifest digest>-<digest of the chosen names>/`, reused when its files match the
+    manifest (sha256 when `verify`); fails when `include` keeps no file.
+    """
+    manifest = resolve_checkpoint(layout, ref, kind)
+    entries = [e for e in manifest.data["files"] if include(e["name"])]
+    if not entries:
+        names = [e["name"] for e in manifest.data["files"]][:8]
+        raise FileNotFoundError(f"checkpoint {kind} of {ref} has no file that `include` keeps; files: {names}")
+    chosen = hashlib.sha256("\n".join(sorted(e["name"] for e in entries)).encode()).hexdigest()[:16]
+    target = Path(cache_dir) / f"{manifest.sha256}-{chosen}"
+    for entry in entries:
+        local = target / entry["name"]
+        fresh = local.is_file() and local.stat().st_size == entry["bytes"]
+        if fresh and (not verify or sha256_local_file(local) == entry["sha256"]):
+            continue
+        url = layout.url(entry["path"])
+        partial = local.with_name(f".{local.name}.tmp{owner_tag()}")
+        layout.store.get_to_local(url, partial)
+        if verify and (actual := sha256_local_file(partial)) != entry["sha256"]:
+            partial.unlink()
+            raise ChecksumMismatchError(url, expected=entry["sha256"], actual=actual)
+        os.replace(partial, local)
     return target
 
 
@@ -222,6 +291,7 @@ class LineageRecord:
     trained_on: tuple[str, ...]  # "iter-3/teacher@<digest12>"
     trained_on_ok: bool | None  # every training-data manifest still has its recorded digest; None if none
     committed: bool  # iteration n is committed and its manifest names this checkpoint (n=0: the base model)
+    pruned: bool  # retention removed its files (the manifest, and so the chain of digests, stays)
     bytes: int
     created_at: str
 
@@ -271,6 +341,7 @@ def lineage(layout: RunLayout) -> list[LineageRecord]:
                     trained_on=tuple(_describe(r) for r in trained_on),
                     trained_on_ok=all(_ref_ok(layout, r) for r in trained_on) if trained_on else None,
                     committed=n == 0 or (kind in committed_refs and committed_refs[kind]["sha256"] == manifest.sha256),
+                    pruned=is_pruned(layout, n, kind),
                     bytes=manifest.data["bytes"],
                     created_at=manifest.data["created_at"],
                 )
@@ -299,7 +370,7 @@ def format_lineage(records: Sequence[LineageRecord], *, title: str | None = None
             {True: "yes", False: "NO", None: "-"}[r.parent_ok],
             ", ".join(r.trained_on) or "-",
             {True: "yes", False: "NO", None: "-"}[r.trained_on_ok],
-            "yes" if r.committed else "no",
+            ("yes" if r.committed else "no") + (" (pruned)" if r.pruned else ""),
             _size(r.bytes),
             r.created_at,
         )

@@ -12,6 +12,7 @@
 <root>/<run>/iter-<n>/<stage>/_manifest.json            stage manifest, written last
 <root>/<run>/checkpoints/iter-<n>/<kind>/files/...      weights produced by iteration n (policy | teacher | megatron)
 <root>/<run>/checkpoints/iter-<n>/<kind>/_manifest.json checkpoint manifest, written last
+<root>/<run>/checkpoints/iter-<n>/<kind>/_pruned.json   tombstone: retention removed the files (storage.retention)
 ```
 
 Manifests name files relative to the run directory, so a run can be copied between stores.
@@ -166,6 +167,10 @@ class RunLayout:
 
     def checkpoint_manifest(self, n: int, kind: str) -> str:
         return join(self.checkpoint_dir(n, kind), MANIFEST_NAME)
+
+    def checkpoint_tombstone(self, n: int, kind: str) -> str:
+        """Written when retention removes the checkpoint's files (its manifest stays)."""
+        return join(self.checkpoint_dir(n, kind), "_pruned.json")
 
     def checkpoint_iterations(self) -> list[int]:
         """Iterations that have a checkpoint directory, ascending."""

@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass
 
 from storage.errors import LockHeldError, PreconditionFailedError
 from storage.layout import RunLayout
+from storage.scratch import pid_alive
 
 logger = logging.getLogger(__name__)
 
@@ -46,19 +47,9 @@ class LockHolder:
         now = now or dt.datetime.now(dt.timezone.utc)
         if dt.datetime.fromisoformat(self.expires_at) <= now:
             return f"lease expired at {self.expires_at}"
-        if self.host == socket.gethostname() and not _pid_alive(self.pid):
+        if self.host == socket.gethostname() and not pid_alive(self.pid):
             return f"process {self.pid} on {self.host} is gone"
         return None
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, owned by someone else
-        return True
-    return True
 
 
 def read_lock_holder(layout: RunLayout) -> LockHolder | None:
@@ -148,7 +139,7 @@ class RunLock:
         reason = current.stale_reason()
         if reason is None:
             raise LockHeldError(f"run {self.layout.run_name!r} is locked by {current.describe()}")
-        dead = current.host == socket.gethostname() and not _pid_alive(current.pid)
+        dead = current.host == socket.gethostname() and not pid_alive(current.pid)
         silent = current.heartbeat_seconds is not None  # stale with a heartbeat: it stopped beating
         if not (self.force or dead or silent):
             raise LockHeldError(

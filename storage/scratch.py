@@ -36,7 +36,8 @@ def tmp_sibling(path: str) -> str:
     return os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp{owner_tag()}")
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process `pid` exists on this host."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -51,7 +52,7 @@ def is_orphan(name: str) -> bool:
     match = _OWNER.search(name)
     if match is None:
         return False
-    return match.group("host") == socket.gethostname() and not _pid_alive(int(match.group("pid")))
+    return match.group("host") == socket.gethostname() and not pid_alive(int(match.group("pid")))
 
 
 def sweep(folder: str | os.PathLike[str], *, depth: int = 1) -> list[Path]:

@@ -37,6 +37,7 @@ class Report:
     files: int = 0
     bytes: int = 0
     uncommitted: list[str] = field(default_factory=list)
+    pruned: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -54,12 +55,35 @@ def _hash_object(layout: RunLayout, url: str) -> str:
     return digest.hexdigest()
 
 
+_FIELDS = {
+    "stage": {"files": list, "parents": list},
+    "checkpoint": {"files": list, "trained_on": list},
+    "iteration": {"stages": dict, "checkpoints": dict},
+}
+
+
 def _manifest(layout: RunLayout, url: str, report: Report) -> Manifest | None:
+    """The manifest at `url` when it parses and has the fields its kind needs; else a problem."""
     try:
         manifest = read_manifest(layout, url)
     except StorageError as exc:
         report.bad(url, str(exc))
         return None
+    fields = _FIELDS.get(manifest.data.get("kind"))
+    if fields is None:
+        report.bad(url, f"field 'kind' is {manifest.data.get('kind')!r}, expected one of {sorted(_FIELDS)}")
+        return None
+    for name, kind in fields.items():
+        if not isinstance(manifest.data.get(name), kind):
+            report.bad(url, f"field {name!r} is missing or not a {kind.__name__}")
+            return None
+    entries = manifest.data.get("files", []) + manifest.data.get("parents", []) + manifest.data.get("trained_on", [])
+    entries += list(manifest.data.get("stages", {}).values()) + list(manifest.data.get("checkpoints", {}).values())
+    for entry in entries:
+        need = ("path", "sha256", "bytes") if entry in manifest.data.get("files", []) else ("path", "sha256")
+        if not isinstance(entry, dict) or any(k not in entry for k in need):
+            report.bad(url, f"an entry lacks one of {need}: {str(entry)[:120]}")
+            return None
     report.manifests += 1
     return manifest
 
@@ -146,7 +170,7 @@ def verify_run(layout: RunLayout, *, progress: Callable[[int], None] = lambda _:
         return report
     _check_run_json(layout, report)
     _check_latest(layout, report)
-    manifests: list[str] = []
+    manifests: list[tuple[str, str | None]] = []  # (manifest URL, tombstone URL for checkpoints)
     for n in layout.iterations():
         if layout.store.exists(layout.iteration_manifest(n)):
             if (it := _manifest(layout, layout.iteration_manifest(n), report)) is not None:
@@ -156,13 +180,16 @@ def verify_run(layout: RunLayout, *, progress: Callable[[int], None] = lambda _:
                 for kind, ref in it.data["checkpoints"].items():
                     _check_ref(layout, ref, owner, report, f"checkpoint {kind}")
                 _check_ref(layout, it.data["previous"], owner, report, "previous iteration")
-        manifests += [layout.stage_manifest(n, s) for s in STAGES]
+        manifests += [(layout.stage_manifest(n, s), None) for s in STAGES]
     for n in layout.checkpoint_iterations():
-        manifests += [layout.checkpoint_manifest(n, k) for k in CHECKPOINT_KINDS]
-    for url in manifests:
+        manifests += [(layout.checkpoint_manifest(n, k), layout.checkpoint_tombstone(n, k)) for k in CHECKPOINT_KINDS]
+    for url, tombstone in manifests:
         folder = url.removesuffix("/" + MANIFEST_NAME)
         if layout.store.exists(url):
             if (manifest := _manifest(layout, url, report)) is not None:
+                if tombstone is not None and layout.store.exists(tombstone):
+                    report.pruned.append(folder)  # retention removed the files; the manifest still counts
+                    continue
                 _check_files(layout, manifest, report, progress)
         elif layout.store.list_files(folder):
             report.uncommitted.append(folder)

@@ -37,6 +37,7 @@ __all__ = [
     "DEFAULT_WARMUP_MIX",
     "phrase_tokens",
     "prompt_ids",
+    "bootstrap_vocabulary_size",
     "build_tokenizer",
     "build_model",
     "wrong_answer",
@@ -92,6 +93,11 @@ def phrase_tokens() -> list[str]:
     phrases += [arithmetic.WRONG_ANSWER, arithmetic.YOUR_OUTPUT, arithmetic.EXPECTED]
     phrases += [arithmetic.FORMAT_ERROR, arithmetic.TRUNCATED]
     return list(dict.fromkeys(p for p in phrases if len(p) > 1))
+
+
+def bootstrap_vocabulary_size() -> int:
+    """len() of the tokenizer `build_tokenizer` writes, without building it."""
+    return len(SPECIAL_TOKENS) + len(CHARACTERS) + len(phrase_tokens())
 
 
 def build_tokenizer(out_dir: str | Path) -> Any:

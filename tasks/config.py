@@ -7,7 +7,10 @@ A config is loaded from YAML plus dotted overrides::
 
     cfg = load_config("configs/demo.yaml", ["loss.alpha=0.5", "rollout.group_size=4"])
 
-Errors name the field and say what to change.
+Errors name the field (with file:line for a value from the YAML file) and say what to change.
+Every float must be finite. Credential-looking keys and URLs with a password are refused while
+loading, before the config is validated, printed or handed to anything, and the error names the
+key, never the value.
 """
 
 from __future__ import annotations
@@ -18,7 +21,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+
+from tasks.config_source import ConfigError, read_yaml, refuse_credentials, verifier_parameters, where
 
 __all__ = [
     "ConfigError",
@@ -30,12 +35,8 @@ __all__ = [
 ]
 
 
-class ConfigError(ValueError):
-    """A run config that cannot be used; the message names each bad field and the fix."""
-
-
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, allow_inf_nan=False)
 
 
 class BootstrapConfig(_Section):
@@ -127,6 +128,29 @@ class VerifierConfig(_Section):
 
     name: Literal["arithmetic", "mcq", "tooluse", "function_call", "math", "code"] = "arithmetic"
     kwargs: dict[str, Any] = Field(default_factory=dict)
+    time_budget_s: float = Field(
+        10.0, gt=0, le=3600,
+        description="wall-clock seconds one answer may take to verify (not code: its sandbox has total_s)",
+    )
+
+    @field_validator("kwargs")
+    @classmethod
+    def _kwargs_fit_the_verifier(cls, kwargs: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        name = info.data.get("name")
+        if name is None:  # the name itself is invalid: reported on its own
+            return kwargs
+        params = verifier_parameters(name)
+        unknown = sorted(set(kwargs) - set(params))
+        if unknown:
+            raise ValueError(f"{unknown} are not arguments of the {name!r} verifier; it takes {sorted(params)}")
+        if name == "code":
+            from tasks.sandbox import SandboxLimits
+
+            try:
+                SandboxLimits(**{k: v for k, v in kwargs.items() if k != "partial_credit"})
+            except (TypeError, ValueError) as err:
+                raise ValueError(str(err)) from None
+        return kwargs
 
 
 class SGLangConfig(_Section):
@@ -210,7 +234,12 @@ class LossConfig(_Section):
     alpha: float = Field(0.5, ge=0, le=1, description="0 = KL(teacher||student), 1 = KL(student||teacher)")
     is_clip: float | None = Field(2.0, gt=0, description="per-token importance-weight cap; null = off")
     mask_reduction: Literal["exclude", "dilute"] = "dilute"
-    aggregation: Literal["token-mean", "sequence-mean"] = "token-mean"
+    aggregation: Literal["token-mean", "sequence-mean"] = Field(
+        "sequence-mean",
+        description="sequence-mean: each response's token mean, then the mean over responses (the paper "
+        "code's one sequence per micro-batch, and TRL's); token-mean: one mean over all tokens, so long "
+        "responses weigh more",
+    )
     grpo_normalize_std: bool = False
     clip_low: float = Field(0.2, ge=0)
     clip_high: float = Field(0.28, ge=0)
@@ -238,6 +267,13 @@ class OptimizerConfig(_Section):
     schedule: Literal["constant", "cosine"] = "constant"
     warmup_steps: int = Field(0, ge=0)
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="cosine floor as a fraction of lr")
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_range(cls, betas: tuple[float, float]) -> tuple[float, float]:
+        if not all(0.0 <= b < 1.0 for b in betas):
+            raise ValueError(f"betas={list(betas)}: each must be in [0, 1), e.g. [0.9, 0.999]")
+        return betas
 
 
 class TrainConfig(_Section):
@@ -281,6 +317,24 @@ class TrainConfig(_Section):
         return self
 
 
+class KeepRuleConfig(_Section):
+    """Keep a checkpoint when any clause holds; no clause at all keeps every checkpoint."""
+
+    last: int | None = Field(None, ge=1, description="the last N iterations")
+    every: int | None = Field(None, ge=1, description="every M-th iteration")
+    best: str | None = Field(None, description="the iteration with the highest value of this eval metric, e.g. eval/greedy_accuracy")
+
+
+class RetentionConfig(_Section):
+    """Which checkpoints keep their files after each commit (`sdpo gc RUN --dry-run` shows the plan).
+    What a resume or the next iteration reads is always kept (storage/retention.py)."""
+
+    resumable: KeepRuleConfig = Field(
+        KeepRuleConfig(), description="full training state (weights, Adam, schedule: ~16 bytes per parameter)"
+    )
+    weights: KeepRuleConfig = Field(KeepRuleConfig(), description="HF policy and teacher weights")
+
+
 class StorageConfig(_Section):
     root: str = Field("runs", description="run root: a local path, file://, s3:// or memory:// URL")
     storage_options: dict[str, Any] = Field(
@@ -291,6 +345,10 @@ class StorageConfig(_Section):
     logprob_dtype: Literal["float32", "float16"] = "float32"
     lock_lease_seconds: int = Field(
         3600, ge=10, description="a run lock older than this (and not renewed) may be taken over"
+    )
+    retention: RetentionConfig = RetentionConfig()
+    cache_max_gb: float | None = Field(
+        None, gt=0, description="bound the local checkpoint cache: least recently used checkpoints are evicted"
     )
 
 
@@ -315,6 +373,60 @@ class EvalConfig(_Section):
     top_p: float = Field(0.95, gt=0, le=1)
 
 
+class StageLaunch(_Section):
+    """How one stage's process is started; placement only, never a change to what it computes."""
+
+    launcher: Literal["inprocess", "subprocess", "torchrun", "work-pool"] = Field(
+        "inprocess",
+        description="inprocess: inside the flow's process; subprocess: a fresh `sdpo stage` process (its "
+        "crash cannot take the flow down); torchrun: `sdpo stage` under torchrun over nproc_per_node x nnodes "
+        "ranks; work-pool: its own flow run of the `deployment`, on that deployment's Prefect work pool",
+    )
+    deployment: str | None = Field(
+        None, description="work-pool: the deployment of flows/stage.py:sdpo_stage to run, e.g. sdpo-stage/gpu"
+    )
+    timeout_s: float | None = Field(None, gt=0, description="work-pool: give up waiting for the stage's flow run after this")
+    nproc_per_node: int = Field(1, ge=1, description="torchrun: processes on this node")
+    nnodes: int = Field(1, ge=1, description="torchrun: nodes taking part (each runs the same flow step)")
+    node_rank: int = Field(0, ge=0, description="torchrun: this node's rank among nnodes")
+    rdzv_endpoint: str | None = Field(
+        None, description="torchrun with nnodes > 1: host:port of the rendezvous (c10d), reachable from every node"
+    )
+    master_port: int | None = Field(None, ge=1, le=65535, description="torchrun on one node: fixed port (default: a free one)")
+
+    @model_validator(mode="after")
+    def _torchrun_fields(self) -> StageLaunch:
+        if self.launcher != "torchrun" and (self.nproc_per_node, self.nnodes) != (1, 1):
+            raise ValueError(f"nproc_per_node/nnodes need launcher='torchrun', not {self.launcher!r}")
+        if (self.launcher == "work-pool") != (self.deployment is not None):
+            raise ValueError("launcher='work-pool' and deployment (e.g. sdpo-stage/gpu) go together")
+        if self.nnodes > 1 and not self.rdzv_endpoint:
+            raise ValueError(f"nnodes={self.nnodes} needs rdzv_endpoint (host:port reachable from every node)")
+        if self.node_rank >= self.nnodes:
+            raise ValueError(f"node_rank={self.node_rank} must be below nnodes={self.nnodes}")
+        return self
+
+
+class LaunchConfig(_Section):
+    """Where each stage runs. Not part of the run's frozen config: a run can move between machines
+    and launchers and resume, since every stage reads its inputs from the store and writes its outputs there."""
+
+    rollout: StageLaunch = StageLaunch()
+    teacher: StageLaunch = StageLaunch()
+    train: StageLaunch = StageLaunch()
+    eval: StageLaunch = StageLaunch()
+
+    @model_validator(mode="after")
+    def _torchrun_stages(self) -> LaunchConfig:
+        for stage in ("rollout", "eval"):
+            if getattr(self, stage).launcher == "torchrun":
+                raise ValueError(
+                    f"launch.{stage}.launcher='torchrun': sampling scales out through SGLang servers behind the "
+                    "router (rollout.engine=sglang), not torchrun; use inprocess or subprocess"
+                )
+        return self
+
+
 class RunConfig(_Section):
     """A whole SDPO (or baseline) run."""
 
@@ -332,6 +444,7 @@ class RunConfig(_Section):
     storage: StorageConfig = StorageConfig()
     tracking: TrackingConfig = TrackingConfig()
     eval: EvalConfig = EvalConfig()
+    launch: LaunchConfig = LaunchConfig()
 
     @model_validator(mode="after")
     def _cross_section(self) -> RunConfig:
@@ -351,6 +464,17 @@ class RunConfig(_Section):
             raise ValueError(
                 f"rollout.group_size={self.rollout.group_size}: GRPO advantages need groups of >= 2 answers"
             )
+        if self.launch.teacher.launcher == "torchrun" and self.teacher.backend != "megatron":
+            raise ValueError(
+                "launch.teacher.launcher='torchrun' needs teacher.backend='megatron' (the HF scorer runs in one process)"
+            )
+        for stage in ("teacher", "train"):
+            spec = getattr(self.launch, stage)
+            world = spec.nproc_per_node * spec.nnodes
+            if spec.launcher == "torchrun" and world % self.train.tensor_parallel:
+                raise ValueError(
+                    f"launch.{stage}: {world} ranks are not a multiple of train.tensor_parallel={self.train.tensor_parallel}"
+                )
         per_iter = self.data.prompts_per_iteration * self.rollout.group_size
         if per_iter % self.train.steps_per_iteration:
             raise ValueError(
@@ -388,41 +512,53 @@ def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return out
 
 
-def _format_validation_error(err: ValidationError) -> str:
+def _format_validation_error(err: ValidationError, lines_of: dict[str, str]) -> str:
     lines = []
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"]) or "<root>"
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
-            msg = f"unknown key; remove it or check its spelling (value: {e['input']!r})"
-        lines.append(f"  {loc}: {msg}")
+            msg = "unknown key; remove it or check its spelling"
+        place = where(lines_of, loc)
+        lines.append(f"  {place + ': ' if place else ''}{loc}: {msg}")
     return "invalid run config:\n" + "\n".join(lines)
 
 
-def build_config(tree: dict[str, Any]) -> RunConfig:
-    """Validate a plain dict into a RunConfig, raising ConfigError with one line per bad field."""
+def build_config(tree: dict[str, Any], *, lines_of: dict[str, str] | None = None) -> RunConfig:
+    """Validate a plain dict into a RunConfig, raising ConfigError with one line per bad field.
+
+    `lines_of` maps dotted keys to the "file:line" they were read from (named in the errors)."""
     try:
         return RunConfig.model_validate(tree)
     except ValidationError as err:
-        raise ConfigError(_format_validation_error(err)) from None
+        raise ConfigError(_format_validation_error(err, lines_of or {})) from None
 
 
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> RunConfig:
-    """Load a YAML run config (or the defaults when `path` is None) and apply dotted overrides."""
+    """Load a YAML run config (or the defaults when `path` is None) and apply dotted overrides.
+
+    Credentials are refused (file and overrides) before anything else looks at the values."""
     tree: dict[str, Any] = {}
+    lines_of: dict[str, str] = {}
     if path is not None:
-        text = Path(path).read_text()
-        loaded = yaml.safe_load(text)
-        if loaded is None:
-            loaded = {}
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"{path}: the top level must be a mapping, got {type(loaded).__name__}")
-        tree = loaded
-    return build_config(apply_overrides(tree, overrides or []))
+        tree, lines_of = read_yaml(Path(path))
+    refuse_credentials(tree, places=lines_of)
+    for i, item in enumerate(overrides or [], start=1):
+        key = item.split("=", 1)[0].strip()
+        refuse_credentials(apply_overrides({}, [item]), places={key: f"override {i} ({key})"})
+        lines_of[key] = f"override {i}"  # the value now comes from the override, not the file
+    return build_config(apply_overrides(tree, overrides or []), lines_of=lines_of)
 
 
 def to_dict(cfg: RunConfig) -> dict[str, Any]:
-    """The fully resolved config as plain JSON-able data (what run.json stores)."""
+    """The fully resolved config of the experiment as plain JSON-able data (what run.json freezes).
+
+    The `launch` section (where stages run) is left out: placement never changes results."""
+    return cfg.model_dump(mode="json", exclude={"launch"})
+
+
+def full_dict(cfg: RunConfig) -> dict[str, Any]:
+    """Everything, placement included (what `sdpo validate` prints)."""
     return cfg.model_dump(mode="json")
 
 

@@ -24,14 +24,15 @@ def load_splits(data: DataConfig, *, seed: int) -> tuple[list[Row], list[Row]]:
             answer_width=data.answer_width,
             seed=seed,
         )
-    from tasks.prepare_data import read_prepared
+    from tasks.data_schema import check_disjoint, read_checked
 
-    rows = read_prepared(data.path)
-    for row in rows:
-        row["prompt_messages"] = list(row["prompt_messages"])
+    assert data.path is not None  # DataConfig requires it for source=prepared
+    rows, places = read_checked(data.path)  # every row checked against the schema (tasks/data_schema.py)
     eval_path = data.eval_path
     if eval_path:
-        return rows, read_prepared(eval_path)
+        held_out, held_out_places = read_checked(eval_path)
+        check_disjoint(rows, places, held_out, held_out_places)
+        return rows, held_out
     # no separate eval file: hold out a seeded fraction of the rows
     order = list(range(len(rows)))
     random.Random(f"split:{seed}").shuffle(order)

@@ -659,12 +659,18 @@ def _write(rows: list[Row], url: str, storage_options: Mapping[str, Any] | None)
     ObjectStore(url, storage_options=storage_options, retry=RetryPolicy()).write_bytes(url, data)
 
 
-def read_prepared(url: str, *, storage_options: Mapping[str, Any] | None = None) -> list[Row]:
-    """The rows of a prepared data set (JSONL or Parquet), metadata decoded to dicts."""
-    rows = []
+def read_parsed_records(url: str, *, storage_options: Mapping[str, Any] | None = None) -> Iterator[tuple[str, Any]]:
+    """`read_records`, raising InvalidRowError for a record that is not valid JSON."""
     for where, record in read_records(url, storage_options=storage_options):
         if isinstance(record, _Malformed):
             raise InvalidRowError(where, record.reason)
+        yield where, record
+
+
+def read_prepared(url: str, *, storage_options: Mapping[str, Any] | None = None) -> list[Row]:
+    """The rows of a prepared data set (JSONL or Parquet), metadata decoded to dicts."""
+    rows = []
+    for _, record in read_parsed_records(url, storage_options=storage_options):
         if isinstance(record.get("metadata"), str):
             record["metadata"] = json.loads(record["metadata"])
         rows.append(record)

@@ -19,6 +19,7 @@ from tasks.runtime import Run, checkpoint_dir
 logger = logging.getLogger(__name__)
 
 _ENGINES: dict[tuple[str, str], Any] = {}
+_VERIFIERS: dict[tuple[str, str, float], Any] = {}  # one budgeted verifier worker per configuration
 
 
 def get_engine(rollout: RolloutConfig, policy_dir: Path, *, cache_key: str) -> Any:
@@ -67,14 +68,21 @@ def effective_top_k(cfg: RunConfig, vocab_size: int) -> int:
 
 
 def verify(cfg: RunConfig, response_text: str, label: str, *, truncated: bool):
-    """The configured verifier's verdict; code runs in the sandbox."""
+    """The configured verifier's verdict; code runs in the sandbox (bounded by its `total_s`), every
+    other verifier in a worker that gets `verifier.time_budget_s` per answer (tasks/verify_budget.py)."""
     if cfg.verifier.name == "code":
         from tasks.sandbox import verify_code
 
         return verify_code(response_text, label, truncated=truncated, **cfg.verifier.kwargs)
-    from sdpo_core.verifiers import VERIFIERS
+    from tasks.verify_budget import BudgetedVerifier
 
-    return VERIFIERS[cfg.verifier.name](response_text, label, truncated=truncated, **cfg.verifier.kwargs)
+    key = (cfg.verifier.name, json.dumps(cfg.verifier.kwargs, sort_keys=True), cfg.verifier.time_budget_s)
+    verifier = _VERIFIERS.get(key)
+    if verifier is None:
+        verifier = _VERIFIERS[key] = BudgetedVerifier(
+            cfg.verifier.name, cfg.verifier.kwargs, budget_s=cfg.verifier.time_budget_s
+        )
+    return verifier(response_text, label, truncated=truncated)
 
 
 def sample_groups(

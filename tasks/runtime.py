@@ -9,6 +9,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
 from storage.checkpoints import download_checkpoint
 from storage.layout import RunLayout, read_run_config
 from tasks.config import RunConfig, build_config
@@ -47,14 +49,17 @@ def run_layout(cfg: RunConfig) -> RunLayout:
 
 def start_run(cfg: RunConfig, layout: RunLayout, *, allow_config_change: bool = False) -> Run:
     """Create or open the run (refusing a changed config unless allowed), and sweep what crashed
-    processes left behind (temporary files of the store and the cache). Call it holding the run lock."""
+    processes left behind (temporary files of the store and the cache). Call it holding the run lock.
+    The returned run's config is the frozen one, with `cfg`'s placement (`launch`)."""
     from storage.layout import create_or_open_run
     from storage.scratch import sweep_local
     from tasks.config import to_dict
 
     create_or_open_run(layout, to_dict(cfg), allow_config_change=allow_config_change)
     sweep_local(cfg.storage.cache_dir, layout.local_dir)
-    return open_run(cfg.storage.root, cfg.name)
+    run = open_run(cfg.storage.root, cfg.name)
+    # The frozen config says what the run computes; where its stages run is this process's choice.
+    return Run(layout=run.layout, cfg=run.cfg.model_copy(update={"launch": cfg.launch}))
 
 
 def checkpoint_dir(run: Run, iteration: int, kind: str) -> Path:
@@ -62,12 +67,14 @@ def checkpoint_dir(run: Run, iteration: int, kind: str) -> Path:
 
     Iteration 0 is the initial model.
     """
+    max_gb = run.cfg.storage.cache_max_gb
     return download_checkpoint(
         run.layout,
         f"iter-{iteration}",
         kind,
         cache_dir=run.cfg.storage.cache_dir,
         verify=run.cfg.storage.verify_sha256,
+        max_cache_bytes=None if max_gb is None else int(max_gb * 2**30),
     )
 
 
@@ -91,3 +98,23 @@ def teacher_source(run: Run, iteration: int) -> tuple[Path, Path | None]:
     if mode == "trust-region":
         return checkpoint_dir(run, previous, "policy"), checkpoint_dir(run, 0, "policy")
     raise ValueError(f"teacher.update={mode!r} is not a known update mode")
+
+
+def apply_retention(run: Run, *, dry_run: bool = False) -> list[Any]:
+    """Prune the checkpoints `storage.retention` does not keep (see storage/retention.py); the plan."""
+    from storage.retention import KeepRule, apply
+    from storage.stages import read_eval
+
+    rules = run.cfg.storage.retention
+
+    def eval_metric(n: int, name: str) -> float | None:
+        metrics = read_eval(run.layout, n)
+        return None if metrics is None or name not in metrics else float(metrics[name])
+
+    return apply(
+        run.layout,
+        resumable=KeepRule(**rules.resumable.model_dump()),
+        weights=KeepRule(**rules.weights.model_dump()),
+        eval_metric=eval_metric,
+        dry_run=dry_run,
+    )

@@ -1,10 +1,12 @@
 """Sandboxed execution of model-written programs against a test suite (the code verifier's runner).
 
-One call of `run_program` starts one sandboxed interpreter that runs every test of the suite in
-turn (tasks/sandbox_harness.py) and reports each test's raw output over a pipe; the parent enforces
-the per-test and total wall-clock limits by watching that pipe, and kills the whole process group on
-overrun. Expected outputs never enter the sandbox: `sdpo_core.verifiers.code.judge` compares them
-in the parent.
+One call of `run_program` starts one sandbox (tasks/sandbox_harness.py): a judge process that
+holds the report pipe and a runner process, forked before the judge reads the tests, which is the
+only one executing the program. The judge reports each test's raw output over the pipe; the parent
+enforces the per-test and total wall-clock limits by watching that pipe, and kills the whole
+process group on overrun. Expected outputs never enter the sandbox:
+`sdpo_core.verifiers.code.judge` compares them in the parent; assert-style tests run in the judge,
+calling the program's functions through proxies that return plain values.
 
 Isolation levels (`SandboxLimits.isolation`):
 - "namespace" (Linux, root, `unshare` present): new network, mount, pid, ipc and uts namespaces.
@@ -15,11 +17,13 @@ Isolation levels (`SandboxLimits.isolation`):
   no_new_privs, so it can signal nothing outside, RLIMIT_NPROC bounds its processes and when the
   sandbox's init process dies the kernel kills every process left in the pid namespace.
   The network namespace has only a loopback that is down: every connect fails.
-- "process" (fallback): a plain child process with the same rlimits, a scrubbed environment and a
-  fresh temporary working directory; as root it also runs under a random unprivileged uid. File,
-  network, process and signal restrictions then rest on the Python-level guard alone (an audit
-  hook), which native code could bypass.
-- "auto": "namespace" when available, else "process" with a warning.
+- "process" (opt-in by name, with a warning): a plain child process with the same rlimits, a
+  scrubbed environment and a fresh temporary working directory; as root the runner drops to a
+  random unprivileged uid. File, network, process and signal restrictions then rest on that uid
+  and on the Python-level guard (an audit hook), which native code could bypass.
+- "auto": "namespace"; where it is unavailable the run is refused (name "process" to accept the
+  weaker level).
+Memory: one limit for the whole sandbox (tasks/sandbox_memory.py).
 The Python-level guard (`python_guard`) also runs on top of namespace isolation unless turned off.
 docs/tasks.md states the guarantees of each level.
 """
@@ -45,6 +49,7 @@ from typing import Literal
 from sdpo_core.records import Verdict
 from sdpo_core.verifiers import code as code_verifier
 from sdpo_core.verifiers.code import EXEC_STATUSES, Execution, TestRunner, TestSuite
+from tasks.sandbox_memory import address_space_budget, memory_cgroup
 
 __all__ = ["SandboxLimits", "namespace_isolation_available", "run_program", "runner", "verify_code"]
 
@@ -52,6 +57,7 @@ logger = logging.getLogger(__name__)
 
 Isolation = Literal["auto", "namespace", "process"]
 _HARNESS = Path(__file__).with_name("sandbox_harness.py")
+_HARNESS_FILES = (_HARNESS, *(_HARNESS.with_name(f"sandbox_{name}.py") for name in ("guard", "codec", "runner")))
 _WORKDIR_IN_ROOT = "/sandbox"
 _UID_RANGE = (200_000, 260_000)  # unprivileged uids no account uses; a random one per run
 _STARTUP_GRACE_S = 5.0  # interpreter start before the first test; counts against total_s only
@@ -63,9 +69,11 @@ class SandboxLimits:
     """Resource limits of one sandboxed run.
 
     `per_test_s` is the wall-clock limit of one test (a suite's own `time_limit` may lower it);
-    `total_s` bounds the whole run, interpreter start included. `memory_mb` is RLIMIT_AS,
+    `total_s` bounds the whole run, interpreter start included. `memory_mb` bounds the memory of
+    the whole sandbox (a cgroup, else an RLIMIT_AS budget of memory_mb / nproc per process),
     `file_mb` RLIMIT_FSIZE and the cap on one test's captured output, `tmpfs_mb` the size of the
-    working directory (namespace isolation), `nproc` RLIMIT_NPROC (processes and threads).
+    working directory (namespace isolation), `nproc` RLIMIT_NPROC (processes and threads, the
+    judge and the runner included).
     """
 
     per_test_s: float = 6.0
@@ -74,7 +82,7 @@ class SandboxLimits:
     stack_mb: int = 64
     file_mb: int = 16
     tmpfs_mb: int = 64
-    nproc: int = 32
+    nproc: int = 8
     nofile: int = 64
     isolation: Isolation = "auto"
     python_guard: bool = True
@@ -85,6 +93,8 @@ class SandboxLimits:
         for name in ("memory_mb", "stack_mb", "file_mb", "tmpfs_mb", "nproc", "nofile"):
             if getattr(self, name) < 1:
                 raise ValueError(f"SandboxLimits.{name} must be >= 1, got {getattr(self, name)}")
+        if self.nproc < 2:
+            raise ValueError(f"SandboxLimits.nproc must be >= 2 (the judge and the runner), got {self.nproc}")
         if self.isolation not in ("auto", "namespace", "process"):
             raise ValueError(f"isolation must be auto, namespace or process, got {self.isolation!r}")
         if self.isolation == "process" and not self.python_guard:
@@ -111,16 +121,18 @@ def namespace_isolation_available() -> bool:
 
 def _isolation(limits: SandboxLimits) -> Literal["namespace", "process"]:
     if limits.isolation == "process":
+        _warn_once(
+            "code sandbox: isolation='process' runs model-written code as a plain process with rlimits, an "
+            "unprivileged uid (as root) and the Python-level guard; native code can bypass the guard"
+        )
         return "process"
     if namespace_isolation_available():
         return "namespace"
-    if limits.isolation == "namespace":
-        raise RuntimeError("isolation='namespace' needs Linux, root and a working `unshare`; none available here")
-    _warn_once(
-        "code sandbox: namespace isolation unavailable (needs root and unshare); falling back to a plain "
-        "process with rlimits and the Python-level guard only"
+    raise RuntimeError(
+        f"isolation={limits.isolation!r} needs namespace isolation (Linux, root, a working `unshare`), unavailable "
+        "here; run as root in a container, or accept the weaker plain-process sandbox by naming it: "
+        "verifier.kwargs.isolation=process"
     )
-    return "process"
 
 
 @lru_cache(maxsize=None)
@@ -128,9 +140,12 @@ def _warn_once(message: str) -> None:
     logger.warning(message)
 
 
-def _rlimits(limits: SandboxLimits, *, set_nproc: bool) -> dict[str, int]:
+def _rlimits(limits: SandboxLimits, *, set_nproc: bool, cgroup: bool) -> dict[str, int]:
+    # Without a uid of its own RLIMIT_NPROC cannot bind the sandbox; the guard (mandatory then)
+    # refuses fork, which leaves the judge and the runner.
+    processes = limits.nproc if set_nproc else 2
     out = {
-        "RLIMIT_AS": limits.memory_mb * _MIB,
+        "RLIMIT_AS": address_space_budget(limits.memory_mb, processes=processes, cgroup=cgroup),
         "RLIMIT_STACK": limits.stack_mb * _MIB,
         "RLIMIT_FSIZE": limits.file_mb * _MIB,
         "RLIMIT_NOFILE": limits.nofile,
@@ -141,22 +156,17 @@ def _rlimits(limits: SandboxLimits, *, set_nproc: bool) -> dict[str, int]:
     return out
 
 
-def _usable_by_others(python: str) -> bool:
-    """Whether a process of another, unprivileged uid can start `python` (every parent traversable)."""
-    path = Path(python)
-    dirs = [*path.parents, Path(sys.base_prefix).resolve() / "lib"]
-    return bool(os.stat(path).st_mode & 0o001) and all(os.stat(d).st_mode & 0o001 for d in dirs)
-
-
 def _scrubbed_env(home: str) -> dict[str, str]:
     return {"PATH": "/usr/bin:/bin", "HOME": home, "TMPDIR": home, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"}
 
 
 class _Reader:
-    """Splits the result pipe into JSON messages; anything unreadable becomes {"event": "corrupt"}."""
+    """Splits the result pipe into JSON messages in linear time; a line over `max_bytes` or anything
+    unreadable becomes {"event": "corrupt"} (an oversized one {"event": "oversized"})."""
 
-    def __init__(self, fd: int) -> None:
-        self.fd, self.buffer, self.eof = fd, b"", False
+    def __init__(self, fd: int, *, max_bytes: int) -> None:
+        self.fd, self.max_bytes, self.eof = fd, max_bytes, False
+        self.buffer, self.scanned = bytearray(), 0
 
     def read(self, timeout: float) -> list[dict]:
         ready, _, _ = select.select([self.fd], [], [], max(timeout, 0.0))
@@ -166,8 +176,18 @@ class _Reader:
         if not chunk:
             self.eof = True
         self.buffer += chunk
-        *lines, self.buffer = self.buffer.split(b"\n")
-        return [self._parse(line) for line in lines if line.strip()]
+        messages = []
+        while (end := self.buffer.find(b"\n", self.scanned)) >= 0:
+            line = bytes(self.buffer[:end])
+            del self.buffer[: end + 1]
+            self.scanned = 0
+            if line.strip():
+                messages.append(self._parse(line))
+        self.scanned = len(self.buffer)
+        if self.scanned > self.max_bytes:
+            self.eof = True
+            messages.append({"event": "oversized"})
+        return messages
 
     @staticmethod
     def _parse(line: bytes) -> dict:
@@ -213,44 +233,46 @@ def run_program(program: str, suite: TestSuite, *, limits: SandboxLimits = Sandb
     proc: subprocess.Popen | None = None
     read_fd, write_fd = os.pipe()
     try:
-        os.chmod(base, 0o711)
-        python = os.path.realpath(sys._base_executable)
-        uid = random.randrange(*_UID_RANGE) if os.geteuid() == 0 else None
-        if mode == "process" and uid is not None and not _usable_by_others(python):
-            _warn_once(f"code sandbox: {python} cannot be run by other users; the process sandbox keeps this uid")
-            uid = None
-        job = {
-            "code": program,
-            "testtype": suite.testtype,
-            "inputs": list(suite.inputs),  # inputs only: expected outputs never enter the sandbox
-            "fn_name": suite.fn_name,
-            "setup": suite.setup,
-            "output_limit": limits.file_mb * _MIB,
-            "rlimits": _rlimits(limits, set_nproc=uid is not None),
-        }
-        guard = "guard" if limits.python_guard else "noguard"
-        if mode == "namespace":
-            assert uid is not None  # namespace isolation needs root
-            cmd, cwd = _namespace_command(
-                base, job, python=python, uid=uid, result_fd=write_fd, guard=guard, limits=limits
-            )
-            extra: dict = {}
-        else:
-            cmd, cwd = _process_command(base, job, python=python, uid=uid, result_fd=write_fd, guard=guard)
-            extra = dict(user=uid, group=uid, extra_groups=[]) if uid is not None else {}
-        with open(base / "stdout", "wb") as out, open(base / "stderr", "wb") as err:
-            proc = subprocess.Popen(
-                cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=err, pass_fds=(write_fd,), start_new_session=True,
-                cwd=cwd, env=_scrubbed_env(cwd if mode == "process" else _WORKDIR_IN_ROOT), **extra,
-            )
-        os.close(write_fd)
-        write_fd = -1
-        executions = _collect(proc, _Reader(read_fd), n=len(suite.inputs), per_test=per_test, total=limits.total_s)
-        if executions is None:
-            stderr = (base / "stderr").read_text(errors="replace")[-2000:]
-            raise RuntimeError(f"the code sandbox ({mode}) failed before running any test "
-                               f"({_exit_description(proc.returncode)}): {stderr}")
-        return executions
+        with memory_cgroup(limits.memory_mb) as cgroup_procs:
+            os.chmod(base, 0o711)
+            python = os.path.realpath(sys._base_executable)
+            uid = random.randrange(*_UID_RANGE) if os.geteuid() == 0 else None
+            job = {
+                "code": program,
+                "testtype": suite.testtype,
+                "inputs": list(suite.inputs),  # inputs only: expected outputs never enter the sandbox
+                "fn_name": suite.fn_name,
+                "setup": suite.setup,
+            }
+            run_limits = {
+                "output_limit": limits.file_mb * _MIB,
+                "rlimits": _rlimits(limits, set_nproc=uid is not None, cgroup=cgroup_procs is not None),
+                "cgroup_procs": str(cgroup_procs) if cgroup_procs is not None and mode == "process" else None,
+            }
+            guard = "guard" if limits.python_guard else "noguard"
+            if mode == "namespace":
+                assert uid is not None  # namespace isolation needs root
+                cmd, cwd = _namespace_command(base, job, python=python, uid=uid, result_fd=write_fd, guard=guard,
+                                              limits=limits, run_limits=run_limits, cgroup_procs=cgroup_procs)
+            else:
+                cmd, cwd = _process_command(base, job, python=python, uid=uid, result_fd=write_fd, guard=guard,
+                                            run_limits=run_limits)
+            with open(base / "stdout", "wb") as out, open(base / "stderr", "wb") as err:
+                proc = subprocess.Popen(
+                    cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=err, pass_fds=(write_fd,),
+                    start_new_session=True, cwd=cwd, env=_scrubbed_env(cwd if mode == "process" else _WORKDIR_IN_ROOT),
+                )
+            os.close(write_fd)
+            write_fd = -1
+            # one result line holds at most one test's output, JSON-escaped (up to 6 bytes per byte)
+            reader = _Reader(read_fd, max_bytes=6 * limits.file_mb * _MIB + (1 << 20))
+            executions = _collect(proc, reader, n=len(suite.inputs), per_test=per_test, total=limits.total_s)
+            _kill_group(proc)  # before the cgroup goes: nothing of the sandbox may outlive the run
+            if executions is None:
+                stderr = (base / "stderr").read_text(errors="replace")[-2000:]
+                raise RuntimeError(f"the code sandbox ({mode}) failed before running any test "
+                                   f"({_exit_description(proc.returncode)}): {stderr}")
+            return executions
     finally:
         if proc is not None:
             _kill_group(proc)
@@ -261,14 +283,19 @@ def run_program(program: str, suite: TestSuite, *, limits: SandboxLimits = Sandb
 
 
 def _write_job(folder: Path, job: dict) -> None:
+    """The job (readable by root only: the runner drops its uid before the judge reads it) and the
+    harness with its modules."""
     (folder / "job.json").write_text(json.dumps(job), encoding="utf-8")
-    shutil.copyfile(_HARNESS, folder / "harness.py")
-    for name in ("job.json", "harness.py"):
-        os.chmod(folder / name, 0o444)
+    os.chmod(folder / "job.json", 0o400)
+    for source in _HARNESS_FILES:
+        shutil.copyfile(source, folder / source.name)
+        os.chmod(folder / source.name, 0o444)
+    os.rename(folder / _HARNESS.name, folder / "harness.py")
 
 
 def _namespace_command(
-    base: Path, job: dict, *, python: str, uid: int, result_fd: int, guard: str, limits: SandboxLimits
+    base: Path, job: dict, *, python: str, uid: int, result_fd: int, guard: str, limits: SandboxLimits,
+    run_limits: dict, cgroup_procs: Path | None,
 ) -> tuple[list[str], str]:
     """`unshare` + the harness's setup phase, which builds the minimal root under base/root."""
     root = base / "root"
@@ -290,6 +317,8 @@ def _namespace_command(
         "harness": "/harness.py",
         "job": "/job.json",
         "guard": guard,
+        "limits": json.dumps(run_limits),
+        "cgroup_procs": None if cgroup_procs is None else str(cgroup_procs),
         "env": _scrubbed_env(_WORKDIR_IN_ROOT),
     }
     unshare = shutil.which("unshare")
@@ -300,7 +329,7 @@ def _namespace_command(
 
 
 def _process_command(
-    base: Path, job: dict, *, python: str, uid: int | None, result_fd: int, guard: str
+    base: Path, job: dict, *, python: str, uid: int | None, result_fd: int, guard: str, run_limits: dict
 ) -> tuple[list[str], str]:
     """The harness's run phase as a plain child, in a fresh working directory base/work."""
     work = base / "work"
@@ -308,7 +337,8 @@ def _process_command(
     _write_job(base, job)
     if uid is not None:
         os.chown(work, uid, uid)
-    cmd = [python, "-I", "-S", "-B", str(base / "harness.py"), "run", str(base / "job.json"), str(result_fd), guard]
+    cmd = [python, "-I", "-S", "-B", str(base / "harness.py"), "run", str(base / "job.json"), str(result_fd), guard,
+           "-" if uid is None else str(uid), json.dumps(run_limits)]
     return cmd, str(work)
 
 
@@ -345,6 +375,10 @@ def _collect(
                 )
                 current = None
                 test_deadline = time.monotonic() + per_test  # the next start must follow promptly
+            elif event == "oversized":
+                stop = Execution(index=len(results), status="error",
+                                 error="Output Limit Exceeded: the program's output overflowed the sandbox's report")
+                break
             else:
                 stop = Execution(
                     index=len(results), status="error", error="the program corrupted the sandbox's report channel"

@@ -1,41 +1,65 @@
 """The program that runs inside the code sandbox (see tasks/sandbox.py). Standard library only.
 
-`tasks.sandbox` copies this file into the sandbox and starts it with `python -I -S -B`; it is never
-imported by the pipeline. Two phases:
+`tasks.sandbox` copies this file into the sandbox, with sandbox_runner.py (the runner),
+sandbox_codec.py (plain values and the channel) and sandbox_guard.py (the audit hook) beside it,
+and starts it with `python -I -S -B`; it is never imported by the pipeline. Two phases:
 
 - `setup CONFIG_JSON` (namespace isolation only, run as root inside fresh network / mount / pid /
-  ipc / uts namespaces made by `unshare`): builds a minimal root (read-only binds of /usr and the
-  interpreter's prefix, /dev/null and /dev/urandom, a size-limited tmpfs as the working
-  directory), chroots into it, drops to an unprivileged uid with no_new_privs, closes every other
-  descriptor and execs the `run` phase in a clean interpreter.
-- `run JOB_PATH RESULT_FD GUARD`: applies the resource limits, optionally installs the audit hook
-  (the Python-level guard), then runs each test in a fresh namespace dict and reports over
-  RESULT_FD, one JSON line per event: {"event": "start", "index": i} before a test and
-  {"event": "result", "index": i, "status", "output", "error", "stderr"} after it.
+  ipc / uts namespaces made by `unshare`): joins the sandbox's memory cgroup, builds a minimal root
+  (read-only binds of /usr and the interpreter's prefix, /dev/null and /dev/urandom, a size-limited
+  tmpfs as the working directory), chroots into it, opens the job file (readable by root only),
+  drops to an unprivileged uid with no_new_privs, closes every other descriptor and execs the
+  `run` phase in a clean interpreter.
+- `run JOB RESULT_FD GUARD UID LIMITS_JSON`: the judge. It applies the resource limits and,
+  before it reads the job, forks the runner, the only process that executes the program. The judge holds the
+  report pipe to the parent; the runner holds none of it (every other descriptor is closed, and the
+  judge is not dumpable, so the runner cannot reach its descriptors through /proc or ptrace). JOB
+  is a descriptor number (namespace isolation) or a path readable by root only (process
+  isolation as root: the runner then drops to UID; "-" keeps the uid).
 
-The job holds the program and the test INPUTS only; expected outputs stay with the parent, which
-judges. Standard input / output / error of each test are files in the working directory dup'ed
-onto fds 0 / 1 / 2, so `input()`, `sys.stdin.buffer`, `open(0)` and `os.write(1, ...)` all work.
+The judge asks the runner, over a private pipe pair, to run one test at a time and reports to the
+parent, one JSON line per event: {"event": "start", "index": i} before a test and {"event":
+"result", "index": i, "status", "output", "error", "stderr"} after it. The runner's answers are
+data only: standard output (stdin tests), the JSON text of a return value (functional tests, judged
+by the parent), or plain values. An `assert` test's code runs in the judge, never in the runner's
+interpreter: the names the program defines are proxies there, each call goes to the runner and its
+result comes back as a plain value (sandbox_codec), so the program cannot exit the test
+run with success, replace the test's functions or builtins, return an object that equals
+everything, or read the test code (the runner was forked before the judge read the job).
 """
 
 import builtins
-import gc
-import io
 import json
 import os
 import resource
 import signal
 import sys
 import traceback
-import typing
 
-SOLUTION = "<solution>"
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the modules copied beside this file
+from sandbox_codec import Channel, CodecError, decode, encode  # noqa: E402
+from sandbox_guard import install_guard  # noqa: E402
+from sandbox_runner import Runner, describe  # noqa: E402
+
+del sys.path[0]  # the sandbox's root folder: not a place the program may read from
+
 TEST_FILES = ("<test>", "<test-setup>")
-_MAX_ERROR_CHARS = 2000
 
-# Mount flags (linux/mount.h) and prctl option used by the setup phase.
+# Mount flags (linux/mount.h) and prctl options.
 _MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_REMOUNT, _MS_BIND, _MS_REC = 1, 2, 4, 32, 4096, 16384
-_PR_SET_NO_NEW_PRIVS = 38
+_PR_SET_DUMPABLE, _PR_SET_NO_NEW_PRIVS = 4, 38
+
+
+def _libc():
+    import ctypes
+
+    return ctypes, ctypes.CDLL(None, use_errno=True)
+
+
+def _prctl(option, value):
+    ctypes, libc = _libc()
+    if libc.prctl(option, value, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), f"prctl({option}, {value})")
 
 
 # -- setup phase (root, inside the new namespaces) ------------------------------------------------
@@ -49,9 +73,10 @@ def _mount(libc, source, target, fstype, flags, data):
 
 
 def setup(config):
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
+    _, libc = _libc()
+    if config["cgroup_procs"]:
+        with open(config["cgroup_procs"], "w") as f:
+            f.write("0")  # this process and everything it starts count against one memory limit
     root, uid = config["root"], config["uid"]
     for name, target in config["symlinks"].items():
         os.symlink(target, os.path.join(root, name))
@@ -71,20 +96,60 @@ def setup(config):
     _mount(libc, "tmpfs", work, "tmpfs", _MS_NOSUID | _MS_NODEV, options)
     os.chroot(root)
     os.chdir(config["workdir"])
+    job_fd = os.open(config["job"], os.O_RDONLY)  # root-only file: the open descriptor is the only way in
+    os.set_inheritable(job_fd, True)
     os.setgroups([])
     os.setgid(uid)
     os.setuid(uid)
-    if libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
-    keep = config["result_fd"]
-    os.closerange(3, keep)
-    os.closerange(keep + 1, 65536)
+    _prctl(_PR_SET_NO_NEW_PRIVS, 1)
+    keep = sorted((config["result_fd"], job_fd))
+    os.closerange(3, keep[0])
+    os.closerange(keep[0] + 1, keep[1])
+    os.closerange(keep[1] + 1, 65536)
     python = config["python"]
-    argv = [python, "-I", "-S", "-B", config["harness"], "run", config["job"], str(keep), config["guard"]]
+    argv = [python, "-I", "-S", "-B", config["harness"], "run", str(job_fd), str(config["result_fd"]),
+            config["guard"], "-", config["limits"]]
     os.execve(python, argv, config["env"])
 
 
-# -- run phase (unprivileged) ---------------------------------------------------------------------
+def _drop_to(uid):
+    """Process isolation as root: keep the standard library importable through descriptors opened
+    now (its folders may not be readable by `uid`), then become `uid`."""
+    paths = []
+    for path in sys.path:
+        if path and os.path.isdir(path):
+            paths.append(f"/proc/self/fd/{os.open(path, os.O_RDONLY | os.O_DIRECTORY)}")
+    sys.path[:] = paths
+    sys.path_importer_cache.clear()
+    os.setgroups([])
+    os.setgid(uid)
+    os.setuid(uid)
+    _prctl(_PR_SET_NO_NEW_PRIVS, 1)
+
+
+def _start_runner(guard, uid, output_limit):
+    """Fork the runner; returns (channel to it, its pid). Called before the job is read."""
+    to_runner, from_runner = os.pipe(), os.pipe()
+    pid = os.fork()
+    if pid:
+        os.close(to_runner[0])
+        os.close(from_runner[1])
+        return Channel(from_runner[0], to_runner[1], max_bytes=4 * output_limit + (1 << 20)), pid
+    start = 3
+    for fd in sorted((to_runner[0], from_runner[1])):
+        os.closerange(start, fd)  # the report pipe, the job and the judge's ends: out of the program's reach
+        start = fd + 1
+    os.closerange(start, 65536)
+    if uid is not None:
+        _drop_to(uid)
+    if guard == "guard":
+        stdlib = [p for p in sys.path if p]
+        install_guard(workdir=os.getcwd(), read_roots=stdlib + ["/dev/null", "/dev/zero", "/dev/urandom"])
+    channel = Channel(to_runner[0], from_runner[1], max_bytes=1 << 40)
+    Runner(channel, output_limit).serve()
+    os._exit(0)
+
+
 def _set_limits(limits):
     for name, value in limits.items():
         resource.setrlimit(getattr(resource, name), (value, value))
@@ -93,208 +158,141 @@ def _set_limits(limits):
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 
 
-def _under(path, roots):
-    return any(path == root or path.startswith(root.rstrip("/") + "/") for root in roots)
+# -- the judge ------------------------------------------------------------------------------------
+class _ProgramFailed(Exception):
+    """The program (in the runner) raised, exited or stopped answering during an assert test."""
 
 
-_PROCESS_EVENTS = frozenset(
-    {"os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork", "os.forkpty", "subprocess.Popen",
-     "os.kill", "os.killpg", "signal.pthread_kill", "pty.spawn", "os.startfile"}
-)
-_WRITE_PATH_EVENTS = frozenset(
-    {"os.remove", "os.rmdir", "os.rename", "os.mkdir", "os.chmod", "os.chown", "os.truncate", "os.utime",
-     "os.link", "os.symlink", "shutil.rmtree", "shutil.move", "shutil.copyfile", "shutil.copytree",
-     "os.chflags", "os.setxattr", "os.removexattr"}
-)
-_READ_PATH_EVENTS = frozenset({"os.listdir", "os.scandir", "os.chdir", "glob.glob", "os.getxattr", "os.listxattr"})
-_BLOCKED_MODULES = frozenset({"ctypes", "_ctypes", "_posixsubprocess", "_xxsubinterpreters", "_testcapi"})
-_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
+class _Judge:
+    def __init__(self, job, runner, runner_pid, report_fd):
+        self.job, self.runner, self.runner_pid = job, runner, runner_pid
+        self.report = os.fdopen(report_fd, "w", encoding="utf-8", buffering=1)
+        self.failure, self.runner_status = "", None
 
+    def send(self, message):
+        self.report.write(json.dumps(message) + "\n")
+        self.report.flush()
 
-def install_guard(*, workdir, read_roots):
-    """Python-level guard: an audit hook (it cannot be removed) that refuses process creation,
-    signals, sockets, ctypes, and file access outside the working directory (writes) or the
-    working directory plus the standard library (reads)."""
-    write_roots = (os.path.realpath(workdir),)
-    read_roots = write_roots + tuple(os.path.realpath(p) for p in read_roots)
-
-    def deny(event, detail):
-        raise PermissionError(f"sandbox: {event}{' ' + detail if detail else ''} is not allowed")
-
-    def check_path(event, path, roots):
-        if isinstance(path, int):
-            return
-        if isinstance(path, bytes):
-            path = os.fsdecode(path)
-        if path is None:
-            path = "."
-        if not isinstance(path, str):
-            path = os.fspath(path)
-        real = os.path.realpath(path)
-        if not _under(real, roots):
-            deny(event, repr(path))
-
-    def hook(event, args):
-        if event in _PROCESS_EVENTS:
-            deny(event, "")
-        if event.startswith(("socket.", "ctypes.", "_ctypes.", "mmap.")):
-            deny(event, "")
-        if event == "import" and args[0].split(".")[0] in _BLOCKED_MODULES:
-            deny("import", repr(args[0]))
-        if event == "open":
-            path, mode, flags = args
-            writing = (mode is not None and any(c in str(mode) for c in "wax+")) or bool((flags or 0) & _WRITE_FLAGS)
-            check_path(event, path, write_roots if writing else read_roots)
-        elif event in _WRITE_PATH_EVENTS and args:
-            check_path(event, args[0], write_roots)
-            if event in ("os.rename", "os.link", "os.symlink", "shutil.move", "shutil.copyfile", "shutil.copytree"):
-                check_path(event, args[1], write_roots)
-        elif event in _READ_PATH_EVENTS and args:
-            check_path(event, args[0], read_roots)
-
-    sys.addaudithook(hook)
-
-
-def _describe(exc, source_lines):
-    """'Type: message' plus the innermost line of the solution it came from."""
-    try:  # str() of an exception runs the program's code; anything may happen there
-        message = str(exc)
-    except BaseException:  # noqa: BLE001 -- the sandbox boundary reports whatever the program raised
-        message = "<unprintable message>"
-    head = f"{type(exc).__name__}: {message}" if message else type(exc).__name__
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename == SOLUTION]
-    if frames:
-        f = frames[-1]
-        line = source_lines[f.lineno - 1].strip() if 0 < (f.lineno or 0) <= len(source_lines) else ""
-        head += f"\nLine {f.lineno} in {f.name}" + (f": {line}" if line else "")
-    return head[:_MAX_ERROR_CHARS]
-
-
-def _from_test_code(exc):
-    frames = traceback.extract_tb(exc.__traceback__)
-    return bool(frames) and frames[-1].filename in TEST_FILES
-
-
-def _redirect(fd, path, flags):
-    new = os.open(path, flags, 0o600)
-    if new != fd:  # the program may have closed `fd`, in which case open() reused its number
-        os.dup2(new, fd)
-        os.close(new)
-
-
-def _text_stream(fd, mode):
-    raw = io.FileIO(fd, mode, closefd=False)
-    buffered = io.BufferedReader(raw) if mode == "r" else io.BufferedWriter(raw)
-    return io.TextIOWrapper(buffered, encoding="utf-8", errors="replace")
-
-
-def _read_capped(path, limit):
-    with open(path, "rb") as f:
-        data = f.read(limit + 1)
-    return data[:limit].decode("utf-8", "replace"), len(data) > limit
-
-
-def run_one(job, index, code, source_lines):
-    """Run test `index`; returns the result message (without the event key)."""
-    kind, test_input = job["testtype"], job["inputs"][index]
-    stdin_path, out_path, err_path = f".stdin-{index}", f".stdout-{index}", f".stderr-{index}"
-    with open(stdin_path, "w", encoding="utf-8") as f:
-        f.write(test_input if kind == "stdin" else "")
-    _redirect(0, stdin_path, os.O_RDONLY)
-    _redirect(1, out_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-    _redirect(2, err_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-    sys.stdin = _text_stream(0, "r")
-    sys.stdout = _text_stream(1, "w")
-    sys.stderr = _text_stream(2, "w")
-    namespace = {"__name__": "__main__" if kind == "stdin" else "solution", "__builtins__": builtins}
-    if kind == "functional":  # LeetCode-style starter code uses List, Optional, ... without importing them
-        namespace.update({name: getattr(typing, name) for name in typing.__all__})
-    status, output, error = "ok", "", ""
-    try:
-        exec(code, namespace)
-        if kind == "functional":
-            target = namespace.get("Solution")
-            if isinstance(target, type):
-                target = getattr(target(), job["fn_name"], None)
-            else:
-                target = namespace.get(job["fn_name"])
-            if not callable(target):
-                raise NameError(f"the program defines no function or Solution method named {job['fn_name']!r}")
-            args = [json.loads(line) for line in test_input.split("\n") if line.strip()]
-            value = target(*args)
-            output = json.dumps(value)
-        elif kind == "assert":
-            if job["setup"]:
-                exec(compile(job["setup"], "<test-setup>", "exec"), namespace)
-            exec(compile(test_input, "<test>", "exec"), namespace)
-    except SystemExit:
-        pass  # exit() after printing the answer is normal for stdin programs
-    except AssertionError as exc:
-        status = "failed" if kind == "assert" and _from_test_code(exc) else "error"
-        error = _describe(exc, source_lines)
-    except BaseException as exc:  # noqa: BLE001 -- the program's own errors are the test result
-        status, error = "error", _describe(exc, source_lines)
-    if os.getpid() != job["harness_pid"]:
-        os._exit(0)  # a child the program forked: only the harness itself reports
-    for stream in (sys.stdout, sys.stderr):
+    def ask(self, request):
+        """The runner's answer; _ProgramFailed when it died or answered garbage."""
         try:
-            stream.flush()
-        except BaseException as exc:  # noqa: BLE001 -- e.g. output past RLIMIT_FSIZE, or a closed stream
-            if status == "ok":
-                status, error = "error", f"could not write the output: {type(exc).__name__}: {exc}"
-    sys.stdout = sys.stderr = sys.stdin = None
-    limit = job["output_limit"]
-    stdout, over = _read_capped(out_path, limit)
-    stderr, _ = _read_capped(err_path, 4096)
-    over = over or len(output) > limit  # a functional test's return value, as JSON text
-    if over and status == "ok":
-        status, error = "error", f"Output Limit Exceeded: the program wrote more than {limit} bytes"
-    if kind != "functional":
-        output, stdout = stdout, ""
-    elif over:
-        output = ""
-    for path in (stdin_path, out_path, err_path):
-        os.unlink(path)
-    del namespace
-    gc.collect()
-    debug = (stdout + "\n" + stderr).strip() if stdout else stderr
-    return {"index": index, "status": status, "output": output, "error": error, "stderr": debug}
+            self.runner.send(request)
+            answer = self.runner.receive()
+        except ValueError:
+            self._stop_runner()
+            raise _ProgramFailed("the program corrupted the sandbox's report channel") from None
+        except BrokenPipeError:
+            answer = None  # the runner is gone
+        if answer is None:
+            status = self._stop_runner()
+            if os.WIFSIGNALED(status):
+                raise _ProgramFailed(f"the program crashed (killed by {signal.Signals(os.WTERMSIG(status)).name})")
+            raise _ProgramFailed(f"the program ended the test run abruptly (exit status {os.WEXITSTATUS(status)})")
+        return answer
+
+    def _stop_runner(self):
+        if self.runner_status is None:
+            os.kill(self.runner_pid, signal.SIGKILL)  # unreaped, so the pid is still the runner's
+            self.runner_status = os.waitpid(self.runner_pid, 0)[1]
+        return self.runner_status
+
+    def call(self, name, args, kwargs):
+        try:
+            request = {"op": "call", "name": name, "args": encode(args), "kwargs": encode(kwargs)}
+        except CodecError as exc:
+            raise _ProgramFailed(f"the test passes {name}() a value the sandbox cannot send: {exc}") from None
+        answer = self.ask(request)
+        if "error" in answer:
+            self.failure = str(answer["error"])
+            raise _ProgramFailed(self.failure)
+        return decode(answer["value"])
+
+    def proxy(self, name):
+        def proxy(*args, **kwargs):
+            return self.call(name, args, kwargs)
+
+        proxy.__name__ = proxy.__qualname__ = name
+        return proxy
+
+    def run_assert(self, index):
+        self.failure = ""
+        status, error = "ok", ""
+        try:
+            loaded = self.ask({"op": "load", "index": index})
+            if "error" in loaded:
+                raise _ProgramFailed(str(loaded["error"]))
+            namespace = {"__name__": "__test__", "__builtins__": builtins}
+            for name, kind in loaded["names"].items():
+                namespace[name] = self.proxy(name) if kind == "callable" else decode(kind[1])
+            if self.job["setup"]:
+                exec(compile(self.job["setup"], "<test-setup>", "exec"), namespace)
+            exec(compile(self.job["inputs"][index], "<test>", "exec"), namespace)
+        except _ProgramFailed as exc:
+            if self.runner_status is not None:
+                raise  # the runner is gone: run() reports this test and skips the rest
+            status, error = "error", str(exc)
+        except AssertionError as exc:
+            frames = traceback.extract_tb(exc.__traceback__)
+            status = "failed" if frames and frames[-1].filename in TEST_FILES else "error"
+            error = describe(exc, [])
+        except BaseException as exc:  # noqa: BLE001 -- the test code failed on what the program returned
+            status, error = "error", self.failure or describe(exc, [])
+        finished = self.ask({"op": "finish"})
+        if finished["error"] and status == "ok":
+            status, error = "error", str(finished["error"])
+        return {"status": status, "output": "", "error": error, "stderr": str(finished["stderr"])}
+
+    def run_test(self, index):
+        kind = self.job["testtype"]
+        if kind == "assert":
+            return self.run_assert(index)
+        request = {"op": kind, "index": index, "input": self.job["inputs"][index], "fn_name": self.job["fn_name"]}
+        answer = self.ask(request)
+        return {key: str(answer[key]) for key in ("status", "output", "error", "stderr")}
+
+    def run(self):
+        n = len(self.job["inputs"])
+        compiled = self.ask({"op": "program", "code": self.job["code"]})
+        index = 0
+        try:
+            if "error" in compiled:
+                self.send({"event": "start", "index": 0})
+                self.send({"event": "result", "index": 0, "status": "error", "output": "", "error": compiled["error"],
+                           "stderr": ""})
+                return
+            for index in range(n):
+                self.send({"event": "start", "index": index})
+                self.send({"event": "result", "index": index, **self.run_test(index)})
+        except _ProgramFailed as exc:  # the runner is gone: this test failed, the rest cannot run
+            self.send({"event": "result", "index": index, "status": "error", "output": "", "error": str(exc),
+                       "stderr": ""})
+            for rest in range(index + 1, n):
+                self.send({"event": "start", "index": rest})
+                self.send({"event": "result", "index": rest, "status": "not_run", "output": "",
+                           "error": "not run: an earlier test stopped the run", "stderr": ""})
 
 
-def run(job_path, result_fd, guard):
-    with open(job_path, encoding="utf-8") as f:
-        job = json.load(f)
-    _set_limits(job["rlimits"])
-    job["harness_pid"] = os.getpid()
-    report = os.fdopen(result_fd, "w", encoding="utf-8", buffering=1)
-
-    def send(message):
-        report.write(json.dumps(message) + "\n")
-        report.flush()
-
-    source_lines = job["code"].splitlines()
-    try:
-        code = compile(job["code"], SOLUTION, "exec")
-    except (SyntaxError, ValueError, MemoryError, RecursionError, OverflowError) as exc:
-        send({"event": "start", "index": 0})
-        detail = _describe(exc, source_lines)
-        if isinstance(exc, SyntaxError) and exc.lineno:
-            detail = f"SyntaxError: {exc.msg}\nLine {exc.lineno}: {(exc.text or '').strip()}"
-        send({"event": "result", "index": 0, "status": "error", "output": "", "error": detail, "stderr": ""})
-        return
-    if guard == "guard":
-        stdlib = [p for p in sys.path if p]
-        install_guard(workdir=os.getcwd(), read_roots=stdlib + ["/dev/null", "/dev/zero", "/dev/urandom"])
-    for index in range(len(job["inputs"])):
-        send({"event": "start", "index": index})
-        result = run_one(job, index, code, source_lines)
-        send({"event": "result", **result})
+def run(job_source, result_fd, guard, uid, limits):
+    """The judge: limits, then the runner (forked before the job is read), then the tests."""
+    if job_source.isdigit():
+        job_file = os.fdopen(int(job_source), "rb", buffering=0)
+    else:
+        job_file = open(job_source, "rb", buffering=0)  # root-only: opened before the runner drops its uid
+    if limits["cgroup_procs"]:  # process isolation as root: the judge joins the memory cgroup itself
+        with open(limits["cgroup_procs"], "w") as f:
+            f.write("0")
+    _set_limits(limits["rlimits"])
+    _prctl(_PR_SET_DUMPABLE, 0)  # no same-uid process may read this one's descriptors or memory
+    runner, pid = _start_runner(guard, None if uid == "-" else int(uid), limits["output_limit"])
+    job = json.loads(job_file.read())
+    job_file.close()
+    _Judge(job, runner, pid, result_fd).run()
 
 
 if __name__ == "__main__":
     if sys.argv[1] == "setup":
         setup(json.loads(sys.argv[2]))
     elif sys.argv[1] == "run":
-        run(sys.argv[2], int(sys.argv[3]), sys.argv[4])
+        run(sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5], json.loads(sys.argv[6]))
     else:
         raise SystemExit(f"unknown phase {sys.argv[1]!r}")

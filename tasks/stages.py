@@ -1,7 +1,10 @@
 """One Prefect task per stage. Each takes the run's coordinates and returns a manifest (plain JSON).
 
-Parameters are URLs and numbers only: Prefect records them, so storage credentials never pass
-through here (they come from the environment or the process's registered storage options).
+Parameters are URLs, numbers and the stage's launch spec (`tasks.config.StageLaunch` as a dict:
+where the stage runs) only: Prefect records them, so storage credentials never pass through here
+(they come from the environment or the process's registered storage options). Each task starts
+its stage through `tasks.launch.launch_stage` and then reads what the stage committed back from
+the store, so the stage may have run in this process, in a child process or under torchrun.
 
 The bodies live in the stage modules and import torch, transformers and Megatron lazily, so
 importing this module (and so the flows) stays light.
@@ -16,6 +19,8 @@ from __future__ import annotations
 from typing import Any
 
 from prefect import task
+
+INPROCESS = {"launcher": "inprocess"}
 
 
 RETRY_DELAYS = [10, 60]  # seconds before the first and the second retry
@@ -34,6 +39,20 @@ def _plain(manifest: Any) -> dict[str, Any]:
     return {**manifest.ref, "metrics": dict(manifest.data.get("metrics", {}))}
 
 
+def _launch(stage: str, root: str, run: str, iteration: int, spec: dict[str, Any] | None) -> None:
+    from storage.urls import registered_options
+    from tasks.launch import launch_stage
+
+    launch_stage(stage, root, run, iteration, spec or INPROCESS, storage_options=registered_options(root))
+
+
+def _stage_manifest(root: str, run: str, iteration: int, stage: str) -> dict[str, Any]:
+    from storage.layout import RunLayout
+    from storage.manifest import read_stage_manifest
+
+    return _plain(read_stage_manifest(RunLayout(root, run), iteration, stage))
+
+
 @task(name="prepare-base", retries=0)
 def prepare_base(root: str, run: str) -> dict[str, Any]:
     from tasks.base_model import ensure_base_checkpoint
@@ -43,24 +62,25 @@ def prepare_base(root: str, run: str) -> dict[str, Any]:
 
 
 @task(name="rollout", task_run_name="{run}/iter-{iteration:04d}/rollout", **RETRIES)
-def rollout(root: str, run: str, iteration: int) -> dict[str, Any]:
-    from tasks.rollout import run_rollout
-
-    return _plain(run_rollout(root, run, iteration))
+def rollout(root: str, run: str, iteration: int, launch: dict[str, Any] | None = None) -> dict[str, Any]:
+    _launch("rollout", root, run, iteration, launch)
+    return _stage_manifest(root, run, iteration, "rollout")
 
 
 @task(name="feedback-teacher-prefill", task_run_name="{run}/iter-{iteration:04d}/teacher", **RETRIES)
-def teacher(root: str, run: str, iteration: int, rollout_manifest: dict[str, Any]) -> dict[str, Any]:
-    from tasks.teacher import run_teacher
-
-    return _plain(run_teacher(root, run, iteration))
+def teacher(
+    root: str, run: str, iteration: int, rollout_manifest: dict[str, Any], launch: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    _launch("teacher", root, run, iteration, launch)
+    return _stage_manifest(root, run, iteration, "teacher")
 
 
 @task(name="train", task_run_name="{run}/iter-{iteration:04d}/train", **RETRIES)
-def train(root: str, run: str, iteration: int, teacher_manifest: dict[str, Any]) -> dict[str, Any]:
-    from tasks.train import run_train
-
-    return _plain(run_train(root, run, iteration))
+def train(
+    root: str, run: str, iteration: int, teacher_manifest: dict[str, Any], launch: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    _launch("train", root, run, iteration, launch)
+    return _stage_manifest(root, run, iteration, "train")
 
 
 @task(name="commit", task_run_name="{run}/iter-{iteration:04d}/commit", **RETRIES)
@@ -71,7 +91,12 @@ def commit(root: str, run: str, iteration: int, manifests: list[dict[str, Any]])
 
 
 @task(name="evaluate", task_run_name="{run}/iter-{iteration:04d}/eval", **RETRIES)
-def evaluate(root: str, run: str, iteration: int) -> dict[str, float]:
-    from tasks.evaluate import run_evaluation
+def evaluate(root: str, run: str, iteration: int, launch: dict[str, Any] | None = None) -> dict[str, float]:
+    from storage.layout import RunLayout
+    from storage.stages import read_eval
 
-    return run_evaluation(root, run, iteration)
+    _launch("eval", root, run, iteration, launch)
+    metrics = read_eval(RunLayout(root, run), iteration)
+    if metrics is None:
+        raise RuntimeError(f"the eval stage of iteration {iteration} of run {run!r} ended without committing")
+    return metrics

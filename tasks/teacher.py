@@ -18,19 +18,24 @@ from typing import Any
 
 import numpy as np
 
+from tasks.config import RunConfig
 from tasks.runtime import Run
 
 logger = logging.getLogger(__name__)
 
-def build_contexts(run: Run, columns: dict[str, Any]) -> tuple[list[Any], dict[str, float]]:
-    """Teacher contexts for every rollout row, in row order, and the context metrics."""
-    from sdpo_core.feedback import RelaxSDPOFeedback, SDPOFeedback, load_feedback
-    from sdpo_core.metrics import teacher_context_metrics, warn_if_inactive
+
+def feedback_policy(cfg: RunConfig) -> Any:
+    """The run's configured `FeedbackPolicy`."""
+    from sdpo_core.feedback import load_feedback
+
+    return load_feedback(cfg.teacher.feedback, dict(cfg.teacher.feedback_kwargs))
+
+
+def sample_records(columns: dict[str, Any]) -> list[Any]:
+    """One `SampleRecord` per row of rollout columns (as `read_stage_columns` returns them), in row order."""
     from sdpo_core.records import SampleRecord
 
-    cfg = run.cfg
-    policy = load_feedback(cfg.teacher.feedback, dict(cfg.teacher.feedback_kwargs))
-    samples = [
+    return [
         SampleRecord(
             sample_id=int(columns["sample_id"][i]),
             group_id=int(columns["group_id"][i]),
@@ -44,7 +49,16 @@ def build_contexts(run: Run, columns: dict[str, Any]) -> tuple[list[Any], dict[s
         )
         for i in range(len(columns["sample_id"]))
     ]
-    groups: dict[int, list[SampleRecord]] = defaultdict(list)
+
+
+def build_contexts(run: Run, columns: dict[str, Any]) -> tuple[list[Any], dict[str, float]]:
+    """Teacher contexts for every rollout row, in row order, and the context metrics."""
+    from sdpo_core.feedback import RelaxSDPOFeedback, SDPOFeedback
+    from sdpo_core.metrics import teacher_context_metrics, warn_if_inactive
+
+    policy = feedback_policy(run.cfg)
+    samples = sample_records(columns)
+    groups: dict[int, list[Any]] = defaultdict(list)
     for sample in samples:
         groups[sample.group_id].append(sample)
     by_id = {}
@@ -59,8 +73,11 @@ def build_contexts(run: Run, columns: dict[str, Any]) -> tuple[list[Any], dict[s
     return contexts, metrics
 
 
-def run_teacher(root: str, run_name: str, iteration: int) -> dict:
-    """Teacher stage of `iteration`: returns its manifest (skips when already committed)."""
+def run_teacher(root: str, run_name: str, iteration: int) -> dict | None:
+    """Teacher stage of `iteration`: returns its manifest (skips when already committed).
+
+    Under torchrun (teacher.backend=megatron) every rank scores a data-parallel share of the
+    sequences, tensor parallel inside each share; rank 0 gathers and writes (the others return None)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -161,6 +178,8 @@ def run_teacher(root: str, run_name: str, iteration: int) -> dict:
     out["advantage"] = advantages.numpy().astype(np.float32).tolist()
     metrics["teacher/sample_mask_fraction"] = float(np.mean(masks)) if n_rows else 0.0
     metrics["teacher/stage_seconds"] = time.perf_counter() - started
+    if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
+        return None  # under torchrun every rank scored its share; rank 0 writes the stage
     return write_stage(
         run.layout,
         iteration,

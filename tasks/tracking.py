@@ -29,6 +29,7 @@ from tasks.config import RunConfig, flatten, to_dict
 logger = logging.getLogger(__name__)
 
 RUN_URL_TAG = "sdpo.run_url"
+VIEW_TAG = "sdpo.view"  # the `sdpo view` command that opens the run's rollouts
 PARENT_URL_TAG = "sdpo.parent_run_url"  # a fork's parent run
 FORKED_AT_TAG = "sdpo.forked_from_iteration"
 STEP_MARKER = "tracking/step"  # logged last in each step's batch: the step is in MLflow
@@ -114,6 +115,9 @@ class Tracker:
         # Idempotent: a kill between creating the run and logging its params is mended here.
         self.log_params(flatten(to_dict(cfg)))
         self.set_tags(source_tags())
+        from tasks.viewer import view_command
+
+        self.set_tags({VIEW_TAG: view_command(cfg.name, cfg.storage.root)})  # how to browse its samples
         history = self.client.get_metric_history(self.run_id, STEP_MARKER)
         self.logged_steps: set[int] = {int(m.step) for m in history}
 

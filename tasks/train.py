@@ -420,8 +420,9 @@ class MegatronTrainer:
         state["optimizer"] = self.optimizer.sharded_state_dict(state)
         dist_checkpointing.save(state, str(out_dir))
         crash_point("checkpoint.saving:megatron", iteration)
-        torch.save({"scheduler": self.scheduler.state_dict(), "iteration": iteration}, out_dir / "trainer_state.pt")
-        (out_dir / "cursor.json").write_text(json.dumps({"iteration": iteration}))
+        if torch.distributed.get_rank() == 0:  # the same on every rank
+            torch.save({"scheduler": self.scheduler.state_dict(), "iteration": iteration}, out_dir / "trainer_state.pt")
+            (out_dir / "cursor.json").write_text(json.dumps({"iteration": iteration}))
 
     def load_megatron(self, ckpt_dir: Path) -> None:
         """Restore what `save_megatron` wrote. The optimizer's template is built for loading
@@ -460,8 +461,11 @@ def full_state_iteration(run: Run, iteration: int) -> int:
     from storage.checkpoints import checkpoint_exists
     from storage.manifest import stage_done
 
+    from storage.retention import is_pruned
+
     for m in range(iteration, 0, -1):
-        if stage_done(run.layout, m, "train") and checkpoint_exists(run.layout, m, "megatron"):
+        committed = stage_done(run.layout, m, "train") and checkpoint_exists(run.layout, m, "megatron")
+        if committed and not is_pruned(run.layout, m, "megatron"):
             return m
     return 0
 
@@ -478,7 +482,8 @@ def restore_trainer(run: Run, iteration: int) -> MegatronTrainer:
     from tasks.runtime import checkpoint_dir
 
     start = full_state_iteration(run, iteration)
-    trainer = MegatronTrainer(run.cfg, checkpoint_dir(run, start, "policy"))
+    # The base model gives the architecture (and the weights when start = 0); retention never prunes it.
+    trainer = MegatronTrainer(run.cfg, checkpoint_dir(run, 0, "policy"))
     if start > 0:
         trainer.load_megatron(checkpoint_dir(run, start, "megatron"))
     for m in range(start + 1, iteration + 1):
@@ -492,6 +497,8 @@ def restore_trainer(run: Run, iteration: int) -> MegatronTrainer:
 
 def check_replay(run: Run, trainer: MegatronTrainer, iteration: int) -> None:
     """Fail when replaying `iteration` did not reproduce the policy weights it committed."""
+    import torch
+
     from storage.checkpoints import read_checkpoint_manifest
     from storage.objects import sha256_local_file
     from storage.scratch import scratch_dir
@@ -499,7 +506,9 @@ def check_replay(run: Run, trainer: MegatronTrainer, iteration: int) -> None:
 
     stored = {e["name"]: e["sha256"] for e in read_checkpoint_manifest(run.layout, iteration, "policy").data["files"]}
     with scratch_dir(run.cfg.storage.cache_dir, "replay") as tmp:
-        trainer.save_hf(tmp, checkpoint_dir(run, iteration - 1, "policy"))
+        trainer.save_hf(tmp, checkpoint_dir(run, 0, "policy"))  # collective; rank 0 writes (tokenizer: the base's)
+        if torch.distributed.get_rank() != 0:
+            return
         replayed = sha256_local_file(tmp / "model.safetensors")
     if replayed != stored["model.safetensors"]:
         raise RuntimeError(
@@ -529,36 +538,87 @@ def update_teacher(run: Run, iteration: int, policy_dir: Path, out_dir: Path) ->
     """Write the EMA teacher of `iteration` into out_dir; False when the mode keeps no teacher copy."""
     if run.cfg.teacher.update != "ema":
         return False
+    from tasks.runtime import teacher_source
+
+    previous, _ = teacher_source(run, iteration)
+    ema_teacher_folder(previous, policy_dir, out_dir, rate=run.cfg.teacher.update_rate)
+    return True
+
+
+def ema_teacher_folder(previous: Path, policy_dir: Path, out_dir: Path, *, rate: float) -> None:
+    """`out_dir` = the policy folder with its weights replaced by the EMA teacher's, kept in float32.
+
+    The teacher is the EMA's master copy: with bf16 weights and tau = 0.05, an update of 5% of a
+    weight's distance to the student rounds away for most weights and the teacher would never move,
+    so the teacher is read, updated and stored in float32 whatever the policy's dtype.
+    """
     import shutil
 
     from safetensors.torch import load_file, save_file
 
     from sdpo_core.teacher_update import ema_update_
-    from tasks.runtime import teacher_source
 
-    previous, _ = teacher_source(run, iteration)
-    teacher = load_file(str(previous / "model.safetensors"))
+    teacher = {k: v.float() if v.is_floating_point() else v for k, v in load_file(str(previous / "model.safetensors")).items()}
     student = load_file(str(policy_dir / "model.safetensors"))
-    ema_update_(teacher, student, rate=run.cfg.teacher.update_rate)
+    ema_update_(teacher, student, rate=rate)
     shutil.copytree(policy_dir, out_dir, dirs_exist_ok=True)
     save_file(teacher, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    return True
 
 
-def run_train(root: str, run_name: str, iteration: int) -> dict:
+def _shared_scratch(cache_dir: str, rank: int) -> Any:
+    """A scratch folder every rank writes into: rank 0 makes it, the others are told its path."""
+    import contextlib
+
+    import torch.distributed as dist
+
+    from storage.scratch import scratch_dir
+
+    @contextlib.contextmanager
+    def shared() -> Any:
+        if dist.get_world_size() == 1:
+            with scratch_dir(cache_dir, "ckpt") as path:
+                yield path
+            return
+        holder: list[Any] = [None]
+        with contextlib.ExitStack() as stack:
+            if rank == 0:
+                holder[0] = str(stack.enter_context(scratch_dir(cache_dir, "ckpt")))
+            dist.broadcast_object_list(holder, src=0)
+            yield Path(holder[0])
+            dist.barrier()  # nobody is still writing when rank 0 removes it
+
+    return shared()
+
+
+def _check_shared(folder: Path, world: int) -> None:
+    """Every rank left its marker in `folder`: the ranks share the file system the checkpoint needs."""
+    missing = [r for r in range(world) if not (folder / f".rank-{r}").exists()]
+    if missing:
+        raise RuntimeError(
+            f"ranks {missing} wrote their checkpoint shards somewhere rank 0 cannot see ({folder}): with "
+            "torchrun over several nodes, storage.cache_dir must be on a file system all nodes share"
+        )
+
+
+def run_train(root: str, run_name: str, iteration: int) -> dict | None:
     """Training stage of `iteration`: returns its manifest (skips when already committed).
 
     Its outputs are the checkpoints of `iteration` plus the stage manifest naming them, written
     last. Checkpoints found without that manifest come from an attempt that was killed; they are
     discarded and the iteration is trained again, which gives the same weights.
+
+    Under torchrun every rank trains (tensor x data parallel) and saves its share; rank 0 alone
+    discards, uploads and writes manifests, and returns the manifest (the other ranks return None).
     """
+    import torch.distributed as dist
+
     from storage.checkpoints import discard_checkpoint, resolve_checkpoint, upload_checkpoint
     from storage.faults import crash_point
     from storage.layout import CHECKPOINT_KINDS
     from storage.manifest import read_stage_manifest, stage_done
-    from storage.scratch import scratch_dir
     from storage.shards import read_stage_columns
     from storage.stages import write_stage_manifest
+    from tasks.megatron.parallel import init_parallel
     from tasks.runtime import checkpoint_dir, open_run
 
     run = open_run(root, run_name)
@@ -566,9 +626,13 @@ def run_train(root: str, run_name: str, iteration: int) -> dict:
     if stage_done(run.layout, iteration, "train"):
         logger.info("iteration %d training already committed; reusing it", iteration)
         return read_stage_manifest(run.layout, iteration, "train")
-    crash_point("stage.start:train", iteration)
-    for kind in CHECKPOINT_KINDS:
-        discard_checkpoint(run.layout, iteration, kind)
+    init_parallel(tensor_parallel=cfg.train.tensor_parallel, seed=cfg.seed)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if rank == 0:
+        crash_point("stage.start:train", iteration)
+        for kind in CHECKPOINT_KINDS:
+            discard_checkpoint(run.layout, iteration, kind)
+    dist.barrier()
 
     started = time.perf_counter()
     parent = read_stage_manifest(run.layout, iteration, "teacher")
@@ -579,34 +643,45 @@ def run_train(root: str, run_name: str, iteration: int) -> dict:
     metrics["train/seconds"] = time.perf_counter() - train_started
     tokens = float(sum(len(r) for r in columns["response_ids"]) + sum(len(p) for p in columns["prompt_ids"]))
     metrics["train/tokens_per_second"] = tokens / max(metrics["train/seconds"], 1e-9)
+    metrics["train/ranks"] = float(world)
     crash_point("train.trained", iteration)
 
     base_dir = checkpoint_dir(run, iteration - 1, "policy")
-    with scratch_dir(cfg.storage.cache_dir, "ckpt") as tmp_path:
+    with _shared_scratch(cfg.storage.cache_dir, rank) as tmp_path:
         policy_dir = tmp_path / "policy"
-        trainer.save_hf(policy_dir, base_dir)
-        policy_manifest = upload_checkpoint(
-            policy_dir,
-            run.layout,
-            iteration,
-            "policy",
-            parent=resolve_checkpoint(run.layout, iteration - 1, "policy"),
-            trained_on=[parent],
-        )
-        produced = [policy_manifest]
-        teacher_dir = tmp_path / "teacher"
-        if update_teacher(run, iteration, policy_dir, teacher_dir):
-            produced.append(
-                upload_checkpoint(teacher_dir, run.layout, iteration, "teacher", parent=policy_manifest, trained_on=[parent])
+        trainer.save_hf(policy_dir, base_dir)  # collective; rank 0 writes
+        produced = []
+        if rank == 0:
+            policy_manifest = upload_checkpoint(
+                policy_dir,
+                run.layout,
+                iteration,
+                "policy",
+                parent=resolve_checkpoint(run.layout, iteration - 1, "policy"),
+                trained_on=[parent],
             )
+            produced.append(policy_manifest)
+            teacher_dir = tmp_path / "teacher"
+            if update_teacher(run, iteration, policy_dir, teacher_dir):
+                produced.append(
+                    upload_checkpoint(teacher_dir, run.layout, iteration, "teacher", parent=policy_manifest, trained_on=[parent])
+                )
         last = iteration == cfg.iterations
         if last or iteration % cfg.train.megatron_checkpoint_every == 0:
             save_started = time.perf_counter()
             mdir = tmp_path / "megatron"
-            trainer.save_megatron(mdir, iteration=iteration)
-            produced.append(
-                upload_checkpoint(mdir, run.layout, iteration, "megatron", parent=policy_manifest, trained_on=[parent])
-            )
+            trainer.save_megatron(mdir, iteration=iteration)  # collective; every rank writes its shards
+            if world > 1:
+                (tmp_path / f".rank-{rank}").touch()
+                dist.barrier()
+            if rank == 0:
+                if world > 1:
+                    _check_shared(tmp_path, world)
+                produced.append(
+                    upload_checkpoint(mdir, run.layout, iteration, "megatron", parent=produced[0], trained_on=[parent])
+                )
             metrics["train/megatron_save_seconds"] = time.perf_counter() - save_started
+    if rank != 0:
+        return None
     metrics["train/stage_seconds"] = time.perf_counter() - started
     return write_stage_manifest(run.layout, iteration, "train", parents=[parent, *produced], metrics=metrics)

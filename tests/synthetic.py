@@ -83,3 +83,95 @@ def write_training_inputs(root: Path) -> tuple[Path, Path, dict]:
     path = root / "columns.pkl"
     path.write_bytes(pickle.dumps(columns))
     return hf, path, columns
+
+
+RESPONSES = (
+    "<think>7 plus 5 is 12</think>The answer is 12.",
+    "Let me write code:\n```python\nprint(7 + 5)\n```\nSo 12.",
+    '<tool_call>{"name": "add", "arguments": {"a": 7, "b": 5}}</tool_call>',
+    "It is 13.",
+)
+
+
+def write_synthetic_run(
+    root: str, name: str, *, local_dir: Path, rows: int, group_size: int, seed: int, iteration: int = 1,
+    top_k: int = 8, scored: bool = True, texts: tuple[str, ...] | None = RESPONSES, rows_per_shard: int = 4096,
+    row_group_size: int = 256, response_len: tuple[int, int] = (16, 64),
+):
+    """A run with no model behind it under `root` (a path or URL): run.json (default config), the
+    demo tokenizer as the policy checkpoint of iteration `iteration - 1`, and a committed rollout
+    (and, with `scored`, teacher) stage of `rows` synthetic samples in groups of `group_size`, made
+    as the teacher stage makes them (masks and teacher prompts from the run's feedback policy).
+    `local_dir` holds the tokenizer files and the checkpoint cache. Returns the run's RunLayout.
+
+    With `texts`, responses cycle through them, tokenised with that tokenizer (the sampled token is
+    one of its top-K candidates); without, they are `storage.synthetic` rows (random ids, words).
+    """
+    from storage.checkpoints import upload_checkpoint
+    from storage.layout import RunLayout, create_or_open_run
+    from storage.schemas import ROLLOUT
+    from storage.shards import Ragged, write_stage
+    from storage.synthetic import synthetic_columns, synthetic_topk
+    from tasks.bootstrap import build_tokenizer
+    from tasks.config import load_config, to_dict
+
+    cfg = load_config(None, [f"name={name}", f"storage.root={root}", f"storage.cache_dir={local_dir / 'cache'}"])
+    layout = RunLayout(root, name)
+    create_or_open_run(layout, to_dict(cfg))
+    tokenizer = build_tokenizer(local_dir / "tokenizer")
+    upload_checkpoint(local_dir / "tokenizer", layout, iteration - 1, "policy", parent="synthetic tokenizer")
+    rng = np.random.default_rng(seed)
+    columns = synthetic_columns(iteration=iteration, n_rows=rows, top_k=top_k, rng=rng, vocab=len(tokenizer),
+                                group_size=group_size, teacher=True, response_len=response_len)
+    prompts = [tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+               for m in columns["prompt_messages"]]
+    columns["prompt_ids"] = [np.asarray(p, dtype=np.int32) for p in prompts]
+    if texts is not None:
+        chosen = [texts[i % len(texts)] for i in range(rows)]
+        response_ids = [np.asarray(tokenizer.encode(t, add_special_tokens=False), dtype=np.int32) for t in chosen]
+        lengths = np.array([len(r) for r in response_ids])
+        offsets = np.concatenate([[0], np.cumsum(lengths)])
+        ids, logprobs = synthetic_topk(int(offsets[-1]), top_k, vocab=len(tokenizer), rng=rng)
+        flat = np.concatenate(response_ids)
+        cumulative = np.cumsum(np.exp(logprobs.astype(np.float64)), axis=1)
+        pick = (cumulative < rng.random(flat.size)[:, None] * cumulative[:, -1:]).sum(axis=1)  # likely positions
+        rows_ = np.arange(flat.size)
+        clash = (ids == flat[:, None]) & (np.arange(top_k)[None, :] != pick[:, None])
+        ids[clash] = ids[rows_, pick][clash.any(axis=1)]  # keep the K ids distinct
+        ids[rows_, pick] = flat
+        noise = rng.normal(0.0, 1.0, logprobs.shape).astype(np.float32)
+        teacher = np.minimum(logprobs + noise, 0.0)
+        columns |= {
+            "response_ids": Ragged(flat, offsets),
+            "response_text": chosen,
+            "finish_reason": ["length" if i % 5 == 4 else "stop" for i in range(rows)],
+            "data_source": ["synthetic_code" if (i // group_size) % 2 else "synthetic_math" for i in range(rows)],
+            "topk_ids": Ragged(ids, offsets),
+            "topk_logprobs": Ragged(logprobs, offsets),
+            "sampled_logprobs": Ragged(logprobs[rows_, pick], offsets),
+            "teacher_topk_logprobs": Ragged(teacher, offsets),
+            "teacher_sampled_logprobs": Ragged(teacher[rows_, pick], offsets),
+        }
+    # The teacher columns the teacher stage would write: contexts from the run's feedback policy.
+    from tasks.teacher import feedback_policy, sample_records
+
+    records = sample_records(columns)
+    policy = feedback_policy(cfg)
+    groups: dict[int, list] = {}
+    for record in records:
+        groups.setdefault(record.group_id, []).append(record)
+    contexts = {c.sample_id: c for members in groups.values() for c in policy.prepare_group(members)}
+    ordered = [contexts[r.sample_id] for r in records]
+    teacher_ids = [tokenizer.apply_chat_template(list(c.messages), add_generation_prompt=True, tokenize=True,
+                                                 return_dict=True)["input_ids"] for c in ordered]
+    columns |= {
+        "teacher_prompt_ids": [np.asarray(t, dtype=np.int32) for t in teacher_ids],
+        "teacher_prompt_text": [tokenizer.decode(t, skip_special_tokens=False) for t in teacher_ids],
+        "teacher_source": [c.source for c in ordered],
+        "sample_mask": [c.mask for c in ordered],
+    }
+    sizes = {"rows_per_shard": rows_per_shard, "row_group_size": row_group_size}
+    rollout = write_stage(layout, iteration, "rollout", {c: columns[c] for c in ROLLOUT.names}, **sizes)
+    if scored:
+        write_stage(layout, iteration, "teacher", columns, parents=[rollout], **sizes)
+    return layout

@@ -2,9 +2,11 @@
 # Start SGLang servers (and optionally an sglang-router) for a policy checkpoint.
 #
 #   infra/sglang/launch.sh --model-path /cache/<digest> [--servers 2] [--tp 1] [--mem-fraction 0.85] \
-#       [--host 0.0.0.0] [--base-port 30000] [--router-port 29000] [--gpus 0,1,2,3] [--dry-run]
+#       [--host 0.0.0.0] [--base-port 30000] [--router-port 29000] [--gpus 0,1,2,3] [--test-server] [--dry-run]
 #
 # Server i uses GPUs [i*tp, (i+1)*tp) of --gpus (default: 0..servers*tp-1) and listens on base-port+i.
+# --router-port also starts the sglang-router (round robin) in front of all servers.
+# --test-server starts the CPU stand-in (tests/sglang_server/app.py) instead of SGLang, no GPUs.
 # Every server runs with the settings the rollout client relies on (see docs/sglang.md):
 #   SGLANG_RETURN_ORIGINAL_LOGPROB=1   log-probs of the raw distribution (temperature 1), not the tempered one
 #   --sampling-backend pytorch         per-request sampling_seed also with top_p < 1
@@ -14,10 +16,10 @@
 set -euo pipefail
 
 model_path=""; servers=1; tp=1; mem_fraction=0.85; host="0.0.0.0"; base_port=30000
-router_port=""; gpus=""; weight_version=""; log_dir="${SGLANG_LOG_DIR:-./sglang-logs}"; dry_run=0
+router_port=""; gpus=""; weight_version=""; log_dir="${SGLANG_LOG_DIR:-./sglang-logs}"; dry_run=0; test_server=0
 python="${PYTHON:-python}"; extra=()
 
-usage() { sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-0}"; }
+usage() { sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-0}"; }
 
 while [[ $# -gt 0 ]]; do
   case "$1" in
@@ -31,6 +33,7 @@ while [[ $# -gt 0 ]]; do
     --gpus) gpus="$2"; shift 2 ;;
     --weight-version) weight_version="$2"; shift 2 ;;
     --log-dir) log_dir="$2"; shift 2 ;;
+    --test-server) test_server=1; shift ;;
     --dry-run) dry_run=1; shift ;;
     -h|--help) usage 0 ;;
     --) shift; extra=("$@"); break ;;
@@ -42,7 +45,7 @@ done
 [[ "$dry_run" == 1 || -f "$model_path/config.json" ]] || { echo "$model_path has no config.json" >&2; exit 2; }
 if [[ -z "$gpus" ]]; then gpus=$(seq -s, 0 $((servers * tp - 1))); fi
 IFS=, read -r -a gpu_list <<< "$gpus"
-if (( ${#gpu_list[@]} < servers * tp )); then
+if [[ "$test_server" == 0 ]] && (( ${#gpu_list[@]} < servers * tp )); then
   echo "need $((servers * tp)) GPUs for $servers servers x tp $tp, got --gpus $gpus" >&2; exit 2
 fi
 # the address clients use: a wildcard bind address is reached through this host's name
@@ -65,19 +68,47 @@ run() {  # run NAME CMD...: print it; start it in the background unless --dry-ru
 urls=()
 for ((i = 0; i < servers; i++)); do
   port=$((base_port + i))
-  devices=$(IFS=,; echo "${gpu_list[*]:$((i * tp)):$tp}")
-  cmd=(env CUDA_VISIBLE_DEVICES="$devices" SGLANG_RETURN_ORIGINAL_LOGPROB=1
-       "$python" -m sglang.launch_server
-       --model-path "$model_path" --tp-size "$tp" --mem-fraction-static "$mem_fraction"
-       --host "$host" --port "$port" --sampling-backend pytorch)
+  if [[ "$test_server" == 1 ]]; then  # run from the repository root (the module lives in tests/)
+    cmd=("$python" -m tests.sglang_server.app --model-path "$model_path" --host "$host" --port "$port")
+  else
+    devices=$(IFS=,; echo "${gpu_list[*]:$((i * tp)):$tp}")
+    cmd=(env CUDA_VISIBLE_DEVICES="$devices" SGLANG_RETURN_ORIGINAL_LOGPROB=1
+         "$python" -m sglang.launch_server
+         --model-path "$model_path" --tp-size "$tp" --mem-fraction-static "$mem_fraction"
+         --host "$host" --port "$port" --sampling-backend pytorch)
+  fi
   [[ -n "$weight_version" ]] && cmd+=(--weight-version "$weight_version")
   run "server-$i" "${cmd[@]}" "${extra[@]}"
   urls+=("http://$client_host:$port")
 done
 
-if [[ -n "$router_port" ]]; then
-  run router "$python" -m sglang_router.launch_router --worker-urls "${urls[@]}" \
-    --host "$host" --port "$router_port" --policy round_robin
+router_url=""; [[ -n "$router_port" ]] && router_url="http://$client_host:$router_port"
+router_cmd=("$python" -m sglang_router.launch_router --worker-urls "${urls[@]}"
+            --host "$host" --port "$router_port" --policy round_robin --log-level warn)
+
+wait_healthy() {  # wait_healthy URL...: until each answers /health 200, failing when a process exits
+  for url in "$@"; do
+    until curl -sf "$url/health" > /dev/null; do
+      for pid in "${pids[@]}"; do kill -0 "$pid" 2>/dev/null || { echo "a process exited; see $log_dir" >&2; exit 1; }; done
+      sleep 2
+    done
+    echo "healthy: $url"
+  done
+}
+
+if [[ "$dry_run" == 1 ]]; then
+  [[ -n "$router_url" ]] && run router "${router_cmd[@]}"
+else
+  echo "waiting for /health on ${urls[*]} (logs in $log_dir) ..."
+  wait_healthy "${urls[@]}"
+  if [[ -n "$router_url" ]]; then
+    # started after the servers: the router registers workers in the background and answers
+    # /health before it has any, so wait until its /workers lists every server as healthy
+    run router "${router_cmd[@]}"
+    wait_healthy "$router_url"
+    until (( $(curl -sf "$router_url/workers" | grep -o '"is_healthy":true' | wc -l) >= servers )); do sleep 1; done
+    echo "router $router_url routes to all $servers servers"
+  fi
 fi
 
 echo
@@ -86,16 +117,7 @@ echo "  rollout:"
 echo "    engine: sglang"
 echo "    sglang:"
 echo "      urls: [$(printf '"%s", ' "${urls[@]}" | sed 's/, $//')]"
-[[ -n "$router_port" ]] && echo "      router_url: \"http://$client_host:$router_port\"   # when the config has this field"
+if [[ -n "$router_url" ]]; then echo "      router_url: \"$router_url\""; fi
 [[ "$dry_run" == 1 ]] && { trap - EXIT; exit 0; }
-
-echo "waiting for /health on ${urls[*]} (logs in $log_dir) ..."
-for url in "${urls[@]}"; do
-  until curl -sf "$url/health" > /dev/null; do
-    for pid in "${pids[@]}"; do kill -0 "$pid" 2>/dev/null || { echo "a server exited; see $log_dir" >&2; exit 1; }; done
-    sleep 2
-  done
-  echo "healthy: $url"
-done
-echo "all servers up; Ctrl-C stops them"
+echo "all up; Ctrl-C stops them"
 wait

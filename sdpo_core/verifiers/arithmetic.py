@@ -33,16 +33,19 @@ EXPECTED = "Expected:"
 FORMAT_ERROR = "Format error: the response must end with the answer as a whole number."
 TRUNCATED = "Truncated: the response hit the length limit before it ended. Reply with the number only."
 
-_FINAL_INTEGER = re.compile(r"([+-]?\d+)\s*\.?\s*\Z")
-_LABEL = re.compile(r"[+-]?\d+")
+_FINAL_INTEGER = re.compile(r"(?<!\d)([+-]?\d{1,1000})\s*\.?\s*\Z", re.ASCII)
+_LABEL = re.compile(r"[+-]?\d+", re.ASCII)
+_MAX_TAIL_CHARS = 1100  # the longest integer answer (1000 digits) and the spacing after it
 _SHOWN_TAIL_CHARS = 20
 
 
 def final_answer(response_text: str) -> int | None:
-    """The integer the response ends with, or None when it does not end with one."""
-    match = _FINAL_INTEGER.search(response_text)
-    if match is None:
-        return None
+    """The integer the response ends with, or None when it does not end with one (or when that
+    integer has more than 1000 digits). Only ASCII digits count; linear in the response."""
+    tail = response_text.rstrip()[-_MAX_TAIL_CHARS:]
+    match = _FINAL_INTEGER.search(tail)
+    if match is None or (match.start() == 0 and len(response_text.rstrip()) > len(tail)):
+        return None  # no integer at the end, or one too long to be an answer
     return int(match.group(1))
 
 

@@ -14,6 +14,13 @@ wrappers, thousands separators "1,000", a trailing unit word or `%`, "x = " pref
 4. else as normalised strings.
 
 Feedback never reveals the expected answer unless `reveal_answer=True`.
+
+Bounds (responses are adversarial): extraction is one linear pass over the response; an answer
+longer than 1000 characters is only compared as text; numbers count only in ASCII digits (an
+Arabic-Indic or fullwidth "٤٢" is not 42: the task asks for the answer as written in the
+label's digits, and confusable digits would let a response match in a form no reader checks),
+with at most 1000 digits and an exponent of at most 1000 in magnitude, so no comparison does
+unbounded big-number work.
 """
 
 from __future__ import annotations
@@ -32,17 +39,22 @@ FORMAT_ERROR = (
 )
 
 _BOX = re.compile(r"\\(?:boxed|fbox)\s*")
+_BOXED_TOKEN = re.compile(r"[^\s$]+")
 _GSM8K = re.compile(r"####\s*([^\n]*)")
-_LAST_NUMBER = re.compile(r"[+-]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|[+-]?\.\d+")
-_NUMBER = re.compile(r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?")
-_THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
+_LAST_NUMBER = re.compile(r"[+-]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|[+-]?\.\d+", re.ASCII)
+_NUMBER = re.compile(r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?", re.ASCII)
+_NUMBER_PARTS = re.compile(r"[+-]?(\d*)\.?(\d*)(?:[eE]([+-]?\d+))?", re.ASCII)
+_THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}(?!\d))", re.ASCII)
 _WRAPPERS = re.compile(r"\\(?:text|textbf|mathrm|mathbf|mbox|operatorname)\s*\{([^{}]*)\}")
 _SPACING = re.compile(r"\\[,;:! ]|\\left|\\right|\\displaystyle|~")
 _UNIT_SUFFIX = re.compile(r"^(.*?\d)\s*(?:\\?%|\^\s*\{?\\circ\}?|°|[A-Za-z][A-Za-z ]*)$")
 _SYMBOLIC_CHARS = re.compile(r"[A-Za-z0-9.+\-*/(),\s]*")
 _SYMBOLIC_FUNCTIONS = frozenset({"sqrt", "pi", "oo", "log", "exp", "sin", "cos", "tan"})
 _MAX_SYMBOLIC_CHARS = 120
+_HUGE_LITERAL = re.compile(r"\d{51,}|\d[eE][+-]?\d{4,}", re.ASCII)  # sympy would expand 1e10000000 exactly
 _MAX_EXPONENT = 1000
+_MAX_ANSWER_CHARS = 1000
+_MAX_DIGITS = 1000
 
 
 def _braced(text: str, start: int) -> tuple[str, int] | None:
@@ -58,18 +70,33 @@ def _braced(text: str, start: int) -> tuple[str, int] | None:
     return None
 
 
+def _closing_braces(text: str) -> dict[int, int]:
+    """Position of each "{" that is closed -> position of its "}" (one linear pass)."""
+    stack: list[int] = []
+    closing: dict[int, int] = {}
+    for i, ch in enumerate(text):
+        if ch == "{":
+            stack.append(i)
+        elif ch == "}" and stack:
+            closing[stack.pop()] = i
+    return closing
+
+
 def _last_boxed(text: str) -> str | None:
-    found = None
-    for m in _BOX.finditer(text):
+    """The content of the last closed `\boxed{...}` (or `\boxed 5`); linear in the text."""
+    closing: dict[int, int] | None = None
+    for m in reversed(list(_BOX.finditer(text))):
         if m.end() < len(text) and text[m.end()] == "{":
-            group = _braced(text, m.end())
-            if group is not None:
-                found = group[0]
+            if closing is None:
+                closing = _closing_braces(text)
+            end = closing.get(m.end())
+            if end is not None:
+                return text[m.end() + 1 : end]
         else:  # "\boxed 5"
-            token = re.match(r"[^\s$]+", text[m.end():])
+            token = _BOXED_TOKEN.match(text, m.end())
             if token is not None:
-                found = token.group(0)
-    return found
+                return token.group(0)
+    return None
 
 
 def extract_final_answer(text: str, *, allow_last_number: bool = False) -> str | None:
@@ -147,22 +174,35 @@ def _strip_outer_parens(s: str) -> str:
     return s
 
 
+def _bounded_fraction(text: str) -> Fraction | None:
+    """Fraction(text) for an ASCII number within the digit and exponent bounds, else None."""
+    if _NUMBER.fullmatch(text) is None:
+        return None
+    whole, decimals, exponent = _NUMBER_PARTS.fullmatch(text).groups()  # type: ignore[union-attr]
+    if len(whole) + len(decimals) > _MAX_DIGITS or (exponent is not None and
+                                                    (len(exponent) > 6 or abs(int(exponent)) > _MAX_EXPONENT)):
+        return None
+    return Fraction(text)
+
+
 def to_number(text: str) -> Fraction | None:
-    """The exact value of a plain number, a/b or \\frac{a}{b}; None for anything else."""
+    """The exact value of a plain number, a/b or \\frac{a}{b}; None for anything else (or too large)."""
+    if len(text) > _MAX_ANSWER_CHARS:
+        return None
     s = _replace_frac(text.strip().replace(" ", "")) if "frac" in text else text.strip().replace(" ", "")
     s = _strip_outer_parens(s.strip())
     sign = 1
     if s.startswith("-") and "/" in s:
         sign, s = -1, s[1:]
     if _NUMBER.fullmatch(s):
-        return Fraction(s)
-    m = re.fullmatch(r"\(?([+-]?[\d.]+)\)?/\(?([+-]?[\d.]+)\)?", s)
-    if m is not None and _NUMBER.fullmatch(m.group(1)) and _NUMBER.fullmatch(m.group(2)):
-        denominator = Fraction(m.group(2))
-        if denominator == 0:
-            return None
-        return sign * Fraction(m.group(1)) / denominator
-    return None
+        return _bounded_fraction(s)
+    m = re.fullmatch(r"\(?([+-]?[\d.]+)\)?/\(?([+-]?[\d.]+)\)?", s, re.ASCII)
+    if m is None:
+        return None
+    numerator, denominator = _bounded_fraction(m.group(1)), _bounded_fraction(m.group(2))
+    if numerator is None or denominator is None or denominator == 0:
+        return None
+    return sign * numerator / denominator
 
 
 def _numbers_equal(a: Fraction, b: Fraction) -> bool:
@@ -200,7 +240,7 @@ def _to_sympy_text(s: str) -> str | None:
                          ("\\exp", "exp"), ("\\sin", "sin"), ("\\cos", "cos"), ("\\tan", "tan")):
         s = s.replace(latex, plain)
     s = s.replace("{", "(").replace("}", ")").replace("^", "**")
-    if "\\" in s or len(s) > _MAX_SYMBOLIC_CHARS:
+    if not s.strip() or "\\" in s or len(s) > _MAX_SYMBOLIC_CHARS or _HUGE_LITERAL.search(s):
         return None
     if _SYMBOLIC_CHARS.fullmatch(s) is None or re.search(r"\.(?!\d)|(?<!\d)\.", s):
         return None
@@ -251,6 +291,8 @@ def _sympy_equal(a: str, b: str) -> bool:
 
 def answers_match(answer: str, expected: str) -> bool:
     """Whether two final answers are the same value (see the module docstring for the rules)."""
+    if len(answer) > _MAX_ANSWER_CHARS:  # the label is trusted data; the answer is bounded
+        return answer.strip() == normalise(expected)
     a, e = normalise(answer), normalise(expected)
     if a == e:
         return True

@@ -16,6 +16,10 @@ merged dict, so order and per-step pairing did not matter). The response must al
 Function Calling Leaderboard stores it, where "" among the accepted values means the argument may
 be left out, and an empty ground truth means no function should be called. Calls match in any order.
 
+Bounds (responses are adversarial): parsing is linear in the response; JSON values nest at most
+32 levels (deeper is a format error, never a RecursionError); Python-syntax calls are parsed only
+up to 20,000 characters.
+
 Feedback: format and truncation messages always. For wrong answers `verify` says nothing unless
 `detailed_feedback=True`; `verify_function_calls` always explains. The explanations name the wrong
 function, the missing or unexpected argument, or the value given that is not accepted; they never
@@ -57,7 +61,8 @@ _MAX_ISSUES = 5
 
 _ACTION = re.compile(r"^[ \t]*Action[ \t]*:[ \t]*(.*)$", re.MULTILINE)
 _ACTION_INPUT = re.compile(r"^[ \t]*Action[ \t]+Input[ \t]*:[ \t]*", re.MULTILINE)
-_FORMAT = re.compile(r"Action:.*?\nAction Input:")
+_WHITESPACE = re.compile(r"\s*")
+_MAX_DEPTH = 32
 _NAME = re.compile(r"[A-Za-z_][\w.\-]*")
 _FENCE = re.compile(r"```[^\n`]*\n(.*?)```", re.DOTALL)
 
@@ -77,26 +82,55 @@ def parse_react_steps(response_text: str) -> list[tuple[str, dict]]:
         events.append((m.start(), "action", name.group(0)))
     decoder = json.JSONDecoder()
     for m in _ACTION_INPUT.finditer(response_text):
-        text = response_text[m.end():]
-        stripped = text.lstrip()
-        try:
-            value, _ = decoder.raw_decode(stripped)
-        except json.JSONDecodeError as exc:
-            raise _FormatError(f"an Action Input is not valid JSON ({exc.msg}).") from None
+        start = _WHITESPACE.match(response_text, m.end()).end()  # type: ignore[union-attr]
+        value = _decode_json(lambda: decoder.raw_decode(response_text, start)[0], "an Action Input")
         if not isinstance(value, dict):
             raise _FormatError(f"an Action Input is a JSON {type(value).__name__}, not a JSON object.")
         events.append((m.start(), "input", value))
     events.sort(key=lambda e: e[0])
     steps: list[list[Any]] = []
+    open_steps: list[int] = []  # indices of steps without input yet, latest last
     for _, kind, value in events:
         if kind == "action":
+            open_steps.append(len(steps))
             steps.append([value, None])
             continue
-        open_steps = [s for s in steps if s[1] is None]
         if not open_steps:
             raise _FormatError("an Action Input has no Action before it.")
-        open_steps[-1][1] = value
+        steps[open_steps.pop()][1] = value
     return [(name, args if args is not None else {}) for name, args in steps]
+
+
+def _has_call_lines(text: str) -> bool:
+    """Whether a line containing "Action:" is directly followed by one starting "Action Input:"."""
+    lines = text.split("\n")
+    return any("Action:" in line and following.startswith("Action Input:") for line, following in zip(lines, lines[1:]))
+
+
+def _depth(value: Any) -> int:
+    """Nesting depth of a parsed JSON value, without recursion."""
+    deepest, pending = 0, [(value, 1)]
+    while pending:
+        item, depth = pending.pop()
+        deepest = max(deepest, depth)
+        if isinstance(item, dict):
+            pending.extend((v, depth + 1) for v in item.values())
+        elif isinstance(item, list):
+            pending.extend((v, depth + 1) for v in item)
+    return deepest
+
+
+def _decode_json(parse: Any, what: str) -> Any:
+    """parse() for a JSON value in the response; a _FormatError when it is invalid or too deep."""
+    try:
+        value = parse()
+    except json.JSONDecodeError as exc:
+        raise _FormatError(f"{what} is not valid JSON ({exc.msg}).") from None
+    except RecursionError:
+        raise _FormatError(f"{what} nests JSON deeper than {_MAX_DEPTH} levels.") from None
+    if _depth(value) > _MAX_DEPTH:
+        raise _FormatError(f"{what} nests JSON deeper than {_MAX_DEPTH} levels.")
+    return value
 
 
 def _gold_steps(label: str) -> list[tuple[str, dict]]:
@@ -145,7 +179,7 @@ def verify(response_text: str, label: str, *, truncated: bool, detailed_feedback
     gold = _gold_steps(label)
     if truncated:
         return Verdict(reward=0.0, feedback=TRUNCATED, truncated=True)
-    if _FORMAT.search(response_text) is None:
+    if not _has_call_lines(response_text):
         return Verdict(reward=0.0, feedback=FORMAT_ERROR, format_error=True)
     try:
         steps = parse_react_steps(response_text)
@@ -172,10 +206,7 @@ def _call_from_json(item: Any) -> FunctionCall:
     if "name" in item:
         args = item.get("arguments", item.get("parameters", {}))
         if isinstance(args, str):  # OpenAI style: arguments as JSON text
-            try:
-                args = json.loads(args) if args.strip() else {}
-            except json.JSONDecodeError:
-                raise _FormatError(f"the arguments of '{item['name']}' are not valid JSON.") from None
+            args = _decode_json(lambda: json.loads(args), f"the arguments of '{item['name']}'") if args.strip() else {}
         if not isinstance(item["name"], str) or not isinstance(args, dict):
             raise _FormatError("each call needs a string 'name' and an object of 'arguments'.")
         return FunctionCall(item["name"], args)
@@ -220,6 +251,10 @@ def _parse_candidate(text: str) -> list[FunctionCall] | None:
             value = json.loads(text)
         except json.JSONDecodeError:
             value = None
+        except RecursionError:
+            raise _FormatError(f"the calls nest JSON deeper than {_MAX_DEPTH} levels.") from None
+        if value is not None and _depth(value) > _MAX_DEPTH:
+            raise _FormatError(f"the calls nest JSON deeper than {_MAX_DEPTH} levels.")
         if value is not None:
             items = value if isinstance(value, list) else [value]
             return [_call_from_json(item) for item in items]

@@ -1,9 +1,10 @@
 """Rollout engine backed by SGLang servers, spoken to over SGLang's native HTTP API.
 
 The client sends one `/generate` request per prompt carrying that prompt's `n` samples as a batch
-(one `sampling_params` entry per sample, each with its own `sampling_seed`), to the servers in
-turn or to one sglang-router URL, and turns the answers into the `Generation` rows the embedded
-engine returns. What it relies on, and how it maps SGLang's answer to this project's conventions:
+(one `sampling_params` entry per sample, each with its own `sampling_seed`) to the servers in
+turn, or one request per sample to an sglang-router URL (the router's `/generate` takes a single
+`sampling_params` object), and turns the answers into the `Generation` rows the embedded engine
+returns. What it relies on, and how it maps SGLang's answer to this project's conventions:
 
 - **Token ids** come from `meta_info.output_token_logprobs` (one `[logprob, id, text]` entry per
   generated token, stop token included). `output_ids` must agree with them, with or without the
@@ -206,7 +207,7 @@ class SGLangEngine:
         self._thread.start()
         try:
             self._client = self._run(self._make_client())
-            self._run(self._wait_healthy([*self._urls, *([self._router_url] if self._router_url else [])]))
+            self._run(self._wait_healthy(self._urls, router=self._router_url))
             self._run(self._sync_weights(checkpoint_dir, force=False))
         except BaseException:
             self.close()
@@ -350,11 +351,16 @@ class SGLangEngine:
 
     # -- health and weights --------------------------------------------------------------------
 
-    async def _wait_healthy(self, urls: list[str]) -> None:
-        """Poll each server's /health until all answer 200, or fail after health_timeout_s."""
+    async def _wait_healthy(self, urls: list[str], *, router: str | None = None) -> None:
+        """Poll each server's /health until all answer 200, or fail after health_timeout_s.
+
+        The router answers /health as soon as it is up, before it has registered a worker (its
+        /generate then answers 503); its /health_generate answers 200 once it routes to one.
+        """
         timeout = self._config.health_timeout_s
         deadline = time.monotonic() + timeout
-        last: dict[str, str] = {url: "no answer yet" for url in urls}
+        paths = {url: "/health" for url in urls} | ({router: "/health_generate"} if router else {})
+        last: dict[str, str] = {url: "no answer yet" for url in paths}
 
         async def poll(url: str) -> None:
             while True:
@@ -362,7 +368,7 @@ class SGLangEngine:
                 if remaining <= 0:
                     return
                 try:
-                    response = await self._client.get(f"{url}/health", timeout=min(5.0, max(remaining, 0.05)))
+                    response = await self._client.get(f"{url}{paths[url]}", timeout=min(5.0, max(remaining, 0.05)))
                     if response.status_code == 200:
                         last.pop(url)
                         return
@@ -371,9 +377,11 @@ class SGLangEngine:
                     last[url] = f"{type(exc).__name__}: {exc}"
                 await asyncio.sleep(min(_HEALTH_POLL_S, max(deadline - time.monotonic(), 0)))
 
-        await asyncio.gather(*(poll(url) for url in urls))
+        await asyncio.gather(*(poll(url) for url in paths))
         if last:
-            details = "; ".join(f"{url} ({why})" for url, why in last.items())
+            details = "; ".join(
+                f"{url if paths[url] == '/health' else url + paths[url]} ({why})" for url, why in last.items()
+            )
             raise SGLangUnavailableError(
                 f"SGLang servers not healthy after {timeout:g}s (rollout.sglang.health_timeout_s): {details}"
             )
@@ -497,27 +505,40 @@ class SGLangEngine:
             if temperature > 0:  # greedy needs no seed (and flashinfer rejects seeds with top_k=1)
                 p["sampling_seed"] = sample_seed(seed, prompt_index, j)
             params.append(p)
-        body = {
-            "input_ids": [prompt] * n,
-            "sampling_params": params,
+        common = {
             "return_logprob": True,
             "top_logprobs_num": top_k,
             "logprob_start_len": -1,
             "return_text_in_logprobs": False,
             "stream": False,
         }
+        if self._router_url is None:
+            bodies = [{"input_ids": [prompt] * n, "sampling_params": params, **common}]
+        else:  # the router's /generate takes one sampling_params object: one request per sample
+            bodies = [{"input_ids": prompt, "sampling_params": p, **common} for p in params]
         expected = self._weight_version
+
+        async def post(url: str, body: dict[str, Any]) -> list[Any]:
+            async with self._slots:
+                response = await self._attempt("POST", f"{url}/generate", json=body)
+            answer = response.json()
+            batch = len(body["sampling_params"]) if isinstance(body["sampling_params"], list) else None
+            if batch is None:
+                if not isinstance(answer, dict):
+                    raise SGLangProtocolError(
+                        f"{url}/generate answered a single request with {type(answer).__name__}"
+                    )
+                return [answer]
+            if not isinstance(answer, list) or len(answer) != batch:
+                raise SGLangProtocolError(
+                    f"{url}/generate answered a batch of {batch} with "
+                    f"{len(answer) if isinstance(answer, list) else type(answer).__name__}"
+                )
+            return answer
 
         async def attempt(_: int) -> list[Generation]:
             url = self._pick_url()
-            async with self._slots:
-                response = await self._attempt("POST", f"{url}/generate", json=body)
-            outputs = response.json()
-            if not isinstance(outputs, list) or len(outputs) != n:
-                raise SGLangProtocolError(
-                    f"{url}/generate answered a batch of {n} with "
-                    f"{len(outputs) if isinstance(outputs, list) else type(outputs).__name__}"
-                )
+            outputs = [out for answer in await asyncio.gather(*(post(url, b) for b in bodies)) for out in answer]
             return [
                 self._parse(out, url=url, expected_version=expected, stop_token_ids=stop_token_ids, top_k=top_k)
                 for out in outputs

@@ -188,6 +188,26 @@ def score_teacher_megatron(
         reference_dir=reference_dir,
         fused_kernels=fused_kernels,
     )
-    return scorer.score(
-        sequences=sequences, topk_ids=topk_ids, batch_tokens=batch_tokens, trust_region_rate=trust_region_rate
+    from megatron.core import parallel_state
+
+    dp_rank = parallel_state.get_data_parallel_rank()
+    dp_size = parallel_state.get_data_parallel_world_size()
+    if dp_size == 1:
+        return scorer.score(
+            sequences=sequences, topk_ids=topk_ids, batch_tokens=batch_tokens, trust_region_rate=trust_region_rate
+        )
+    # Data-parallel replicas score every dp_size-th sequence, then all of them get every result.
+    mine = list(range(dp_rank, len(sequences), dp_size))
+    scored = scorer.score(
+        sequences=[sequences[i] for i in mine],
+        topk_ids=[topk_ids[i] for i in mine],
+        batch_tokens=batch_tokens,
+        trust_region_rate=trust_region_rate,
     )
+    shares: list[Any] = [None] * dp_size
+    torch.distributed.all_gather_object(shares, scored, group=parallel_state.get_data_parallel_group())
+    results: list[TeacherScores] = [None] * len(sequences)  # type: ignore[list-item]
+    for r, share in enumerate(shares):
+        for i, item in zip(range(r, len(sequences), dp_size), share, strict=True):
+            results[i] = item
+    return results

@@ -109,3 +109,24 @@ def differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
             out.append(f"{path}: {a['digests'].get(path)} != {b['digests'].get(path)}")
     out += [f"file only in one run: {f}" for f in sorted(set(a["files"]) ^ set(b["files"]))]
     return out
+
+
+def assert_same_rollout(expected: Any, got: Any, n: int) -> int:
+    """Iteration n's rollout shards of two runs (layouts) hold the same rows; returns the row count.
+
+    Tokens, finish reasons and rewards must be equal; top-K log-probs equal within 1e-5 (an SGLang
+    answer carries them through JSON).
+    """
+    import numpy as np
+
+    from storage.shards import read_stage_columns
+
+    a = read_stage_columns(expected, n, "rollout")
+    b = read_stage_columns(got, n, "rollout")
+    assert list(a) == list(b)  # same schema, same column order
+    assert [list(x) for x in a["response_ids"]] == [list(x) for x in b["response_ids"]]
+    assert list(a["finish_reason"]) == list(b["finish_reason"])
+    for x, y in zip(a["topk_logprobs"], b["topk_logprobs"], strict=True):
+        np.testing.assert_allclose(x, y, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(a["reward"]), np.asarray(b["reward"]))
+    return len(a["response_ids"])

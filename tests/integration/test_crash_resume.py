@@ -30,7 +30,7 @@ NAME = "crash"
 EVAL_STEPS = [0, 2, 3]
 
 CHAINS: dict[str, list[str]] = {
-    "rollout-teacher": [f"{p}@2" for p in CRASH_POINTS if p.endswith((":rollout", ":teacher"))],
+    "rollout-teacher": [f"{p}@2" for p in CRASH_POINTS if p.startswith("stage.") and p.endswith((":rollout", ":teacher"))],
     "train": [f"{p}@2" for p in CRASH_POINTS if p.endswith(":train") or p.startswith(("train.", "checkpoint."))],
     "commit-eval-tracking": [f"{p}@2" for p in CRASH_POINTS if p.startswith(("commit.", "tracking.")) or p.endswith(":eval")],
     "base-and-last": [
@@ -184,7 +184,7 @@ def test_a_full_disk_fails_naming_the_file_then_resumes_bit_identical(tmp_path, 
         f"mount -o remount,size=64m {disk} && {sdpo_cli} > {tmp_path}/resumed.out 2>&1; echo $? > {tmp_path}/resumed.rc; "
         f"cp -a {disk}/runs {tmp_path}/runs"
     )
-    env = run_env(prefect_server)
+    env = run_env(prefect_server, COLUMNS="400")  # one traceback line per message line
     shell = subprocess.run(["unshare", "-m", "sh", "-c", script], cwd=REPO, env=env, capture_output=True, text=True,
                            timeout=900)
     assert shell.returncode == 0, f"unshare/mount failed ({shell.returncode}): {shell.stderr}"

@@ -57,3 +57,48 @@ def test_one_process_per_iteration_ends_bit_identical(tmp_path, prefect_server, 
     assert b["latest"] == a["latest"] == 3
     assert b["final_policy"] == a["final_policy"]
     assert differences(a, b) == []
+
+
+TEN = {
+    **TINY,
+    "iterations": 10,
+    "data": {**TINY["data"], "prompts_per_iteration": 2, "eval_prompts": 4},
+    "eval": {"every": 4, "sampled_n": 1},
+}
+RETENTION = {"resumable": {"last": 2}, "weights": {"last": 2, "every": 5, "best": "eval/greedy_accuracy"}}
+
+
+def test_retention_keeps_what_it_promises_across_a_run_and_a_resume(tmp_path, prefect_server):
+    from typer.testing import CliRunner
+
+    from flows.cli import app
+    from flows.iteration import sdpo_advance
+    from flows.run import sdpo_run
+    from storage.layout import RunLayout
+    from storage.retention import is_pruned
+    from storage.stages import read_eval
+
+    sections = {"storage": {"retention": RETENTION}}
+    whole = write_config(tmp_path / "a", "kept", root=str(tmp_path / "a" / "runs"), base=TEN, **sections)
+    stepped = write_config(tmp_path / "b", "kept", root=str(tmp_path / "b" / "runs"), base=TEN, **sections)
+    _forget_process_state()
+    sdpo_run(str(whole), [])
+    for _ in range(7):  # iterations 0..6 one process each, then the rest in one: a resume on pruned storage
+        _forget_process_state()
+        sdpo_advance(str(stepped), [])
+    _forget_process_state()
+    sdpo_run(str(stepped), [])
+
+    a, b = RunLayout(str(tmp_path / "a" / "runs"), "kept"), RunLayout(str(tmp_path / "b" / "runs"), "kept")
+    assert differences(fingerprint(a), fingerprint(b)) == []
+    evals = {n: read_eval(a, n)["eval/greedy_accuracy"] for n in (4, 8, 10)}
+    best = max((value, n) for n, value in evals.items())[1]
+    kept = {kind: [n for n in range(11) if not is_pruned(a, n, kind) and a.store.exists(a.checkpoint_manifest(n, kind))]
+            for kind in ("policy", "teacher", "megatron")}
+    assert kept["megatron"] == [9, 10]
+    assert kept["policy"] == sorted({0, 5, 9, 10, best})
+    assert kept["teacher"] == sorted({5, 9, 10, best} - {0})
+    dry = CliRunner().invoke(app, ["gc", "kept", "--root", str(tmp_path / "a" / "runs"), "--dry-run"])
+    assert dry.exit_code == 0 and "would free 0.0 MiB" in dry.output, dry.output
+    verified = CliRunner().invoke(app, ["verify", "kept", "--root", str(tmp_path / "a" / "runs")])
+    assert verified.exit_code == 0, verified.output

@@ -207,7 +207,8 @@ def test_a_router_url_takes_the_generation_traffic(make_engine, reference, promp
     with start_server(path, weight_version=checkpoint_weight_version(path)) as router:
         engine = make_engine([server.url], router_url=router.url)
         got = sample(engine, prompts, **greedy)
-        assert router.faults.received["/generate"] == len(prompts) and generate_calls(server) == 0
+        # one request per sample: the router's /generate takes a single sampling_params object
+        assert router.faults.received["/generate"] == len(prompts) * 2 and generate_calls(server) == 0
         assert server.faults.received["/get_model_info"] > 0  # versions are checked on the workers
         assert_same_rows(got, sample(reference, prompts, **greedy))
 

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import numpy as np
-
-from tests.integration.runs import write_config
+from tests.integration.runs import assert_same_rollout, write_config
 from tests.sglang_server.app import Fault, start_server
 
 
@@ -12,7 +10,6 @@ def test_sglang_rollout_matches_the_embedded_engine_and_survives_faults(tmp_path
     from flows.run import sdpo_run
     from storage.layout import RunLayout
     from storage.manifest import read_latest
-    from storage.shards import read_stage_columns
     from tasks.base_model import bootstrap_cache_dir
     from tasks.runtime import open_run
 
@@ -32,15 +29,8 @@ def test_sglang_rollout_matches_the_embedded_engine_and_survives_faults(tmp_path
     finally:
         server.stop()
 
-    a = read_stage_columns(RunLayout(str(tmp_path / "runs"), "embedded"), 1, "rollout")
-    b = read_stage_columns(RunLayout(str(tmp_path / "runs"), "remote"), 1, "rollout")
     assert read_latest(RunLayout(str(tmp_path / "runs"), "remote")) == 1
-    assert list(a) == list(b)  # same schema, same column order
-    assert [list(x) for x in a["response_ids"]] == [list(x) for x in b["response_ids"]]
-    assert list(a["finish_reason"]) == list(b["finish_reason"])
-    for x, y in zip(a["topk_logprobs"], b["topk_logprobs"], strict=True):
-        np.testing.assert_allclose(x, y, atol=1e-5)
-    np.testing.assert_array_equal(np.asarray(a["reward"]), np.asarray(b["reward"]))
+    assert_same_rollout(RunLayout(str(tmp_path / "runs"), "embedded"), RunLayout(str(tmp_path / "runs"), "remote"), 1)
 
 
 def yaml_rollout() -> dict:

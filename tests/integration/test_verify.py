@@ -45,6 +45,8 @@ def verify(root: Path) -> tuple[int, str]:
     from flows.cli import app
 
     result = runner.invoke(app, ["verify", "audited", "--root", str(root)])
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise result.exception
     return result.exit_code, result.output
 
 

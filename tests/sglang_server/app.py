@@ -41,9 +41,10 @@ where `tasks.engines.sglang.split_sample_seed` unpacks the seed; so the SGLang c
 the embedded engine's for the same seed. Requests that arrive together are batched.
 
 Faults (at start-up, via `RunningServer.faults`, or `POST /_faults` with a `Fault` as JSON;
-`DELETE /_faults` clears them; `GET /_stats` counts requests): `503`/`500` answers, `drop` (sends
-the headers, then closes the socket mid-body), `slow` (sleeps before answering), `unhealthy`
-(`/health*` answer 503), `wrong_version` (reports another weight version), `tempered_logprobs`.
+`DELETE /_faults` clears them; `GET /_stats` counts requests and lists the weight updates):
+`503`/`500` answers, `drop` (sends the headers, then closes the socket mid-body), `slow` (sleeps
+before answering), `unhealthy` (`/health*` answer 503), `wrong_version` (reports another weight
+version), `tempered_logprobs`.
 
 Run it alone: `python -m tests.sglang_server.app --model-path CKPT --port 30000`.
 """
@@ -119,6 +120,7 @@ class FaultPlan:
     faults: list[Fault] = field(default_factory=list)
     received: Counter = field(default_factory=Counter)  # path -> requests
     injected: list[tuple[str, str]] = field(default_factory=list)  # (kind, path)
+    weight_updates: list[tuple[str, str]] = field(default_factory=list)  # (model_path, weight_version) loaded
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def add(self, fault: Fault) -> None:
@@ -133,6 +135,7 @@ class FaultPlan:
         with self.lock:
             self.received.clear()
             self.injected.clear()
+            self.weight_updates.clear()
 
     def take(self, kinds: tuple[str, ...], path: str) -> Fault | None:
         """The first live fault of `kinds` for `path`, counting one use of it."""
@@ -440,6 +443,8 @@ def create_app(
             await asyncio.to_thread(backend.load, model_path)
             if body.get("weight_version") is not None:
                 backend.weight_version = str(body["weight_version"])
+            with plan.lock:
+                plan.weight_updates.append((backend.model_path, backend.weight_version))
         return JSONResponse(
             {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
         )
@@ -488,7 +493,8 @@ def create_app(
     @app.get("/_stats")
     async def stats() -> dict:
         with plan.lock:
-            return {"received": dict(plan.received), "injected": [list(x) for x in plan.injected]}
+            return {"received": dict(plan.received), "injected": [list(x) for x in plan.injected],
+                    "weight_updates": [list(x) for x in plan.weight_updates]}
 
     return _FaultMiddleware(app, plan)
 

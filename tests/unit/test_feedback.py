@@ -126,6 +126,20 @@ def test_sdpo_lone_success_gets_no_signal_and_failed_peers_distil_toward_it():
     assert contexts[0].messages[0] == SYSTEM
 
 
+@pytest.mark.parametrize("policy_class", [SDPOFeedback, RelaxSDPOFeedback])
+def test_a_success_cut_off_inside_think_is_no_demonstration(policy_class):
+    """Stripped of its unclosed reasoning it is empty: its peers must not train toward nothing."""
+    cut = "<think>step one, step two, and then"
+    group = [make(0, 0.0), make(1, 1.0, text=cut), make(2, 1.0, text="<think>ok</think> x = 2"), make(3, 0.0)]
+    contexts = policy_class(remove_thinking_from_demonstration=True).prepare_group(group)
+    demos = policy_class(remove_thinking_from_demonstration=True).demonstrations(group)
+    assert demos[0] == 2 and demos[3] == 2 and demos[1] == 2  # the cut-off success is skipped
+    assert "x = 2" in user_text(contexts[0]) and cut not in user_text(contexts[0])
+    alone = [make(0, 0.0), make(1, 1.0, text=cut)]
+    contexts = policy_class(remove_thinking_from_demonstration=True).prepare_group(alone)
+    assert [c.source for c in contexts] == ["none", "none"] and not any(c.mask for c in contexts)
+
+
 def test_sdpo_two_successes_teach_each_other():
     group = [make(0, 1.0, text="A"), make(1, 1.0, text="B"), make(2, 0.0)]
     contexts = SDPOFeedback().prepare_group(group)
@@ -379,3 +393,26 @@ def test_warn_if_inactive_silent_when_some_sample_trains(caplog):
     with caplog.at_level(logging.WARNING, logger=log.name):
         assert not warn_if_inactive(metrics, logger=log)
     assert caplog.records == []
+
+
+# --------------------------------------------------------------------------- demonstrations
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [SDPOFeedback(), SDPOFeedback(dont_reprompt_on_self_success=False), RelaxSDPOFeedback(), RelaxSDPOFeedback(success_threshold=0.5)],
+    ids=["sdpo", "sdpo-self", "relax", "relax-0.5"],
+)
+@pytest.mark.parametrize("rewards", [[0.0, 1.0, 0.0, 1.0], [1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0], [0.6, 1.0, 0.6, 0.0]])
+def test_demonstrations_name_the_answer_each_teacher_prompt_carries(policy, rewards):
+    group = [make(i, r) for i, r in enumerate(rewards)]
+    demos = policy.demonstrations(group)
+    for context, demo in zip(policy.prepare_group(group), demos, strict=True):
+        shown = [j for j in range(len(group)) if f"answer-{j}" in user_text(context)]
+        assert shown == ([] if demo is None else [demo])
+
+
+def test_policies_without_demonstrations_name_none():
+    group = [make(0, 1.0, teacher_prompt="privileged"), make(1, 0.0, teacher_prompt="privileged")]
+    assert OPDFeedback().demonstrations(group) == [None, None]
+    assert OPSDFeedback().demonstrations(group) == [None, None]

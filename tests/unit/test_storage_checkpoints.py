@@ -189,3 +189,31 @@ def test_empty_or_missing_folder_is_refused(layout: RunLayout, tmp_path: Path) -
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="holds no files"):
         upload_checkpoint(tmp_path / "empty", layout, 0, "policy", parent=None)
+
+
+def test_part_of_a_checkpoint_downloads_only_the_files_chosen(layout: RunLayout, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    from storage.checkpoints import download_checkpoint_files
+
+    source = _megatron_like(tmp_path / "ckpt")
+    manifest = upload_checkpoint(source, layout, 0, "policy", parent=None)
+    local = download_checkpoint_files(layout, 0, "policy", include=lambda name: name.endswith(".json"),
+                                      cache_dir=tmp_path / "cache")
+    assert local.name.startswith(manifest.sha256 + "-")
+    assert sorted(p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file()) == ["hf/config.json"]
+    assert (local / "hf" / "config.json").read_bytes() == (source / "hf" / "config.json").read_bytes()
+
+    damaged = local / "hf" / "config.json"
+    damaged.write_text('{"model_type": "llama"}')  # same length would pass a size check; sha256 does not
+    again = download_checkpoint_files(layout, 0, "policy", include=lambda name: name.endswith(".json"),
+                                      cache_dir=tmp_path / "cache")
+    assert (again / "hf" / "config.json").read_bytes() == (source / "hf" / "config.json").read_bytes()
+
+    def no_download(*args: object) -> None:
+        raise AssertionError("downloaded although cached")
+
+    monkeypatch.setattr(ObjectStore, "get_to_local", no_download)
+    assert download_checkpoint_files(layout, 0, "policy", include=lambda name: name.endswith(".json"),
+                                     cache_dir=tmp_path / "cache") == local
+    with pytest.raises(FileNotFoundError, match="no file"):
+        download_checkpoint_files(layout, 0, "policy", include=lambda name: False, cache_dir=tmp_path / "cache")

@@ -80,3 +80,37 @@ def test_trust_region_logits_mix_reference_and_student():
         trust_region_logits(ref, student, rate=0.0)
     with pytest.raises(ValueError, match="differ in shape"):
         trust_region_logits(ref, student[:, :2], rate=0.5)
+
+
+def test_the_ema_teacher_of_a_bf16_policy_moves_because_it_is_kept_in_float32(tmp_path):
+    """100 EMA steps (tau = 0.05) toward bf16 students that drift by 1e-4 a step: a bf16 teacher
+    would round almost every update away; the stored teacher is float32 and follows the students."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from tasks.train import ema_teacher_folder
+
+    torch.manual_seed(0)
+    base = torch.randn(4096).to(torch.bfloat16)
+    previous = tmp_path / "teacher-0"
+    previous.mkdir()
+    save_file({"w": base}, str(previous / "model.safetensors"))
+    student = base.float()
+    for step in range(100):
+        student = student + 1e-4  # what a small learning rate does to a weight of magnitude ~1
+        policy = tmp_path / f"policy-{step}"
+        policy.mkdir()
+        (policy / "config.json").write_text("{}")
+        save_file({"w": student.to(torch.bfloat16)}, str(policy / "model.safetensors"))
+        out = tmp_path / f"teacher-{step + 1}"
+        ema_teacher_folder(previous, policy, out, rate=0.05)
+        previous = out
+    teacher = load_file(str(previous / "model.safetensors"))["w"]
+    assert teacher.dtype == torch.float32 and (previous / "config.json").exists()
+    moved = (teacher != base.float()).float().mean().item()
+    assert moved > 0.95, f"only {moved:.0%} of the teacher's weights moved"
+    # the same updates applied in bf16 leave most weights where they were (what the fix prevents)
+    in_bf16 = base.clone()
+    for step in range(100):
+        in_bf16.lerp_((base.float() + 1e-4 * (step + 1)).to(torch.bfloat16), 0.05)
+    assert (in_bf16 != base).float().mean().item() < 0.5

@@ -1,0 +1,24 @@
+"""One stage as its own flow run, for Prefect work pools: deploy `sdpo_stage` on a pool (e.g.
+rollout on an inference pool, train on a GPU pool) and the `work-pool` launcher runs each stage
+there (`launch.<stage>.launcher: work-pool`, `launch.<stage>.deployment: sdpo-stage/<name>`).
+
+Placement is the pool's, not ours: the worker starts the flow run wherever its infrastructure
+runs jobs (a process, a Kubernetes pod, ...), and the stage reads and writes the store only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import flow
+
+
+@flow(name="sdpo-stage", log_prints=False)
+def sdpo_stage(stage: str, root: str, run: str, iteration: int, storage_options: dict[str, Any] | None = None) -> None:
+    """Run stage `stage` of iteration `iteration` of run `run` under `root` in this flow run's process."""
+    from storage.urls import register_options
+    from tasks.launch import run_stage
+
+    if storage_options:
+        register_options(root, storage_options)
+    run_stage(stage, root, run, iteration)

@@ -1,0 +1,179 @@
+"""Stage launchers: run a stage in the flow's process, in a fresh process, or under torchrun.
+
+Every stage is a function of `(root, run, iteration)` that reads its inputs from the store and
+writes its outputs and manifest there (`STAGE_BODIES`). `sdpo stage NAME --root URL --run NAME
+--iteration N` is the same function as a process; the launchers below start that process:
+
+- `inprocess`: call the body here (one machine, the default);
+- `subprocess`: `python -m flows.cli stage ...` in a fresh process; a crash of the stage cannot take
+  the flow down, and the stage's memory is returned to the system when it ends;
+- `torchrun`: the same command under `torch.distributed.run` over `nproc_per_node` x `nnodes` ranks
+  (training and Megatron teacher scoring, tensor x data parallel); only rank 0 writes manifests;
+- `work-pool`: a flow run of a deployment of `flows/stage.py:sdpo_stage` on a Prefect work pool,
+  waited for; the pool's worker decides where it runs.
+
+A launched stage that exits non-zero fails with `StageProcessError` carrying the end of its output
+(under torchrun, the failing rank's traceback). Nothing is passed back but the exit status: the
+flow reads the stage's manifest from the store, so a stage can run anywhere the store is reachable.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Mapping
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+STAGES = ("prepare-base", "rollout", "teacher", "train", "commit", "eval")
+OPTIONS_ENV = "SDPO_STORAGE_OPTIONS"  # the store's fsspec options (no credentials: the config refuses them)
+_TAIL = 6000
+
+
+class StageProcessError(RuntimeError):
+    """A stage process (or one of its torchrun ranks) exited non-zero."""
+
+
+def _prepare_base(root: str, run: str, iteration: int) -> Any:
+    from tasks.base_model import ensure_base_checkpoint
+    from tasks.runtime import open_run
+
+    return ensure_base_checkpoint(open_run(root, run))
+
+
+def _rollout(root: str, run: str, iteration: int) -> Any:
+    from tasks.rollout import run_rollout
+
+    return run_rollout(root, run, iteration)
+
+
+def _teacher(root: str, run: str, iteration: int) -> Any:
+    from tasks.teacher import run_teacher
+
+    return run_teacher(root, run, iteration)
+
+
+def _train(root: str, run: str, iteration: int) -> Any:
+    from tasks.train import run_train
+
+    return run_train(root, run, iteration)
+
+
+def _commit(root: str, run: str, iteration: int) -> Any:
+    from tasks.commit import run_commit
+
+    return run_commit(root, run, iteration)
+
+
+def _eval(root: str, run: str, iteration: int) -> Any:
+    from tasks.evaluate import run_evaluation
+
+    return run_evaluation(root, run, iteration)
+
+
+STAGE_BODIES: dict[str, Callable[[str, str, int], Any]] = {
+    "prepare-base": _prepare_base,
+    "rollout": _rollout,
+    "teacher": _teacher,
+    "train": _train,
+    "commit": _commit,
+    "eval": _eval,
+}
+
+
+def run_stage(stage: str, root: str, run: str, iteration: int) -> Any:
+    """The stage's body in this process: what `sdpo stage` runs."""
+    if stage not in STAGE_BODIES:
+        raise ValueError(f"unknown stage {stage!r}; stages are {STAGES}")
+    return STAGE_BODIES[stage](root, run, iteration)
+
+
+def stage_command(stage: str, root: str, run: str, iteration: int, spec: Mapping[str, Any]) -> list[str]:
+    """The command line that runs the stage as a process under `spec` (a `StageLaunch` as a dict)."""
+    # `--run-name`, not `--run`: torchrun's parser would take `--run` for its own `--run-path`
+    sdpo = ["-m", "flows.cli", "stage", stage, "--root", root, "--run-name", run, "--iteration", str(iteration)]
+    if spec["launcher"] == "subprocess":
+        return [sys.executable, *sdpo]
+    if spec["launcher"] != "torchrun":
+        raise ValueError(f"launcher {spec['launcher']!r} runs no process")
+    torchrun = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={spec['nproc_per_node']}"]
+    if spec["nnodes"] > 1:
+        host, _, port = str(spec["rdzv_endpoint"]).rpartition(":")
+        torchrun += [f"--nnodes={spec['nnodes']}", f"--node_rank={spec['node_rank']}",
+                     f"--master_addr={host}", f"--master_port={port}"]
+    elif spec["master_port"] is not None:
+        torchrun += ["--nnodes=1", "--master_addr=127.0.0.1", f"--master_port={spec['master_port']}"]
+    else:
+        torchrun += ["--standalone"]
+    return [*torchrun, *sdpo]
+
+
+def launch_stage(
+    stage: str,
+    root: str,
+    run: str,
+    iteration: int,
+    spec: Mapping[str, Any],
+    *,
+    storage_options: Mapping[str, Any] | None = None,
+) -> None:
+    """Run the stage where `spec` says; raises StageProcessError when its process fails."""
+    if spec["launcher"] == "inprocess":
+        run_stage(stage, root, run, iteration)
+        return
+    if spec["launcher"] == "work-pool":
+        _run_on_work_pool(stage, root, run, iteration, spec, storage_options=storage_options)
+        return
+    command = stage_command(stage, root, run, iteration, spec)
+    env = dict(os.environ)
+    if storage_options:
+        env[OPTIONS_ENV] = json.dumps(dict(storage_options))
+    logger.info("launching %s of iteration %d: %s", stage, iteration, " ".join(command))
+    # Its own session: a stage that crashes (or is killed with its process group) leaves the flow standing.
+    done = subprocess.run(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, check=False, start_new_session=True
+    )
+    if done.returncode != 0:
+        raise StageProcessError(
+            f"stage {stage} of iteration {iteration} of run {run!r} failed: {' '.join(command)} exited with "
+            f"{done.returncode}; its last output:\n{done.stdout[-_TAIL:]}"
+        )
+    logger.debug("%s of iteration %d finished:\n%s", stage, iteration, done.stdout[-_TAIL:])
+
+
+def _run_on_work_pool(
+    stage: str, root: str, run: str, iteration: int, spec: Mapping[str, Any], *, storage_options: Mapping[str, Any] | None
+) -> None:
+    """The stage as a flow run of `spec['deployment']` (flows/stage.py), waited for; its failure is ours."""
+    from prefect.deployments import run_deployment
+
+    parameters = {"stage": stage, "root": root, "run": run, "iteration": iteration,
+                  "storage_options": dict(storage_options or {})}
+    logger.info("running %s of iteration %d on deployment %s", stage, iteration, spec["deployment"])
+    flow_run = run_deployment(
+        spec["deployment"],
+        parameters=parameters,
+        flow_run_name=f"{run}/iter-{iteration:04d}/{stage}",
+        timeout=spec["timeout_s"],
+        poll_interval=1,
+    )
+    state = flow_run.state
+    if state is None or not state.is_completed():
+        raise StageProcessError(
+            f"stage {stage} of iteration {iteration} of run {run!r} on deployment {spec['deployment']}: flow run "
+            f"{flow_run.name} ({flow_run.id}) ended {state.name if state else 'without a state'}: "
+            f"{state.message if state else ''}"
+        )
+
+
+def register_stage_options(root: str) -> None:
+    """In a stage process: register the store options the launcher passed (`SDPO_STORAGE_OPTIONS`)."""
+    from storage.urls import register_options
+
+    raw = os.environ.get(OPTIONS_ENV)
+    if raw:
+        register_options(root, json.loads(raw))

@@ -1,0 +1,67 @@
+"""Checks that need more than the config itself, run before a run is created or resumed.
+
+`sdpo run` and `sdpo validate` call `preflight(cfg)` after the config validated and before
+anything is written or handed to Prefect or MLflow, so a bad setup fails without leaving a run
+folder: the storage root must not be a file, prepared data must follow the schema
+(tasks/data_schema.py) with a held-out set disjoint from training, and `rollout.top_k` must fit
+the tokenizer's vocabulary (bootstrap tokenizer, local model folder or preset; a model at a remote
+URL is checked when the rollout stage loads it).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from tasks.config import ConfigError, RunConfig
+
+__all__ = ["preflight", "vocabulary_size"]
+
+logger = logging.getLogger(__name__)
+
+
+def _local(url: str) -> Path | None:
+    from storage.urls import protocol
+
+    return Path(url.removeprefix("file://")) if protocol(url) == "file" else None
+
+
+def vocabulary_size(cfg: RunConfig) -> int | None:
+    """Ids in the policy's tokenizer, or None where it is only known once downloaded."""
+    if cfg.model.preset == "smollm2-135m-instruct":
+        from tasks.smollm2 import materialise_smollm2
+
+        folder: Path | None = materialise_smollm2(cfg.storage.cache_dir)
+    elif cfg.model.path:
+        folder = _local(cfg.model.path)
+        if folder is None:
+            return None
+    else:
+        from tasks.bootstrap import bootstrap_vocabulary_size
+
+        return bootstrap_vocabulary_size()
+    from transformers import AutoTokenizer
+
+    assert folder is not None
+    return len(AutoTokenizer.from_pretrained(str(folder)))
+
+
+def preflight(cfg: RunConfig) -> None:
+    """ConfigError (naming the field, and file:line for data) when the run cannot start as configured."""
+    root = _local(cfg.storage.root)
+    if root is not None and root.exists() and not root.is_dir():
+        raise ConfigError(f"storage.root: {cfg.storage.root!r} is a file, not a folder; point it at a folder")
+    if cfg.data.source == "prepared":
+        from tasks.data import load_splits
+
+        try:
+            load_splits(cfg.data, seed=cfg.seed)
+        except (ValueError, FileNotFoundError) as err:  # InvalidRowError names the file and line
+            raise ConfigError(f"data (data.path / data.eval_path): {err}") from None
+    if cfg.loss.divergence != "full":
+        vocab = vocabulary_size(cfg)
+        if vocab is not None and cfg.rollout.top_k > vocab:
+            raise ConfigError(
+                f"rollout.top_k={cfg.rollout.top_k} exceeds the tokenizer's vocabulary ({vocab} ids); "
+                f"set rollout.top_k <= {vocab}"
+            )

@@ -1,0 +1,166 @@
+"""Stage launchers: a stage in a fresh process or under torchrun leaves the run a stage in the flow's
+process would (bit for bit, or within float tolerance where ranks reorder sums)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.integration.runs import TINY, differences, fingerprint, write_config
+
+REPO = Path(__file__).resolve().parents[2]
+THREE = {**TINY, "iterations": 3, "eval": {"every": 2, "sampled_n": 2}}
+ALL_SUBPROCESS = {stage: {"launcher": "subprocess"} for stage in ("rollout", "teacher", "train", "eval")}
+
+
+def _run(tmp_path: Path, name: str, base: dict, **sections) -> object:
+    from flows.run import sdpo_run
+    from storage.layout import RunLayout
+    from tasks import rollout, train
+
+    train._TRAINERS.clear()
+    rollout._ENGINES.clear()
+    folder = tmp_path / name
+    sdpo_run(str(write_config(folder, "placed", root=str(folder / "runs"), base=base, **sections)), [])
+    return RunLayout(str(folder / "runs"), "placed")
+
+
+@pytest.fixture(scope="module")
+def inprocess(tmp_path_factory: pytest.TempPathFactory, prefect_server: str) -> dict:
+    return fingerprint(_run(tmp_path_factory.mktemp("inprocess"), "a", THREE))
+
+
+def test_subprocess_stages_equal_inprocess_stages_bit_for_bit(tmp_path, inprocess):
+    placed = fingerprint(_run(tmp_path, "b", THREE, launch=ALL_SUBPROCESS))
+    assert differences(inprocess, placed) == []
+
+
+def test_a_killed_stage_process_fails_the_stage_and_the_next_attempt_resumes(tmp_path, inprocess, monkeypatch):
+    from tasks.launch import StageProcessError
+
+    monkeypatch.setenv("SDPO_CRASH_AT", "checkpoint.committed:policy@2")  # inherited by the stage process
+    with pytest.raises(StageProcessError, match="stage train of iteration 2 .* exited with -9"):
+        _run(tmp_path, "c", THREE, launch={"train": {"launcher": "subprocess"}})
+    monkeypatch.delenv("SDPO_CRASH_AT")
+    resumed = fingerprint(_run(tmp_path, "c", THREE, launch={"train": {"launcher": "subprocess"}}))
+    assert differences(inprocess, resumed) == []
+
+
+def _weights(layout: object, iteration: int) -> dict:
+    from safetensors.torch import load_file
+
+    from storage.checkpoints import download_checkpoint
+
+    folder = download_checkpoint(layout, iteration, "policy", cache_dir=str(Path(layout.local_dir).parent / "cache"))
+    return load_file(str(folder / "model.safetensors"))
+
+
+def _max_difference(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+ONE = {**TINY, "iterations": 1, "eval": {"every": 0, "sampled_n": 2}}
+
+
+@pytest.mark.parametrize(
+    ("name", "sections"),
+    [
+        ("dp2", {"launch": {"train": {"launcher": "torchrun", "nproc_per_node": 2}}}),
+        (
+            "tp2",
+            {
+                "train": {**TINY["train"], "tensor_parallel": 2},
+                "teacher": {"backend": "megatron"},
+                "launch": {
+                    "train": {"launcher": "torchrun", "nproc_per_node": 2},
+                    "teacher": {"launcher": "torchrun", "nproc_per_node": 2},
+                },
+            },
+        ),
+    ],
+)
+def test_torchrun_stages_train_like_one_process(tmp_path, prefect_server, name, sections):
+    from storage.manifest import read_iteration_manifest
+
+    single = _run(tmp_path, "single", ONE)
+    spread = _run(tmp_path, name, ONE, **sections)
+    a, b = read_iteration_manifest(single, 1).data["metrics"], read_iteration_manifest(spread, 1).data["metrics"]
+    assert b["train/ranks"] == 2.0 and a["train/ranks"] == 1.0
+    assert b["train/loss"] == pytest.approx(a["train/loss"], rel=1e-5, abs=1e-7)
+    assert _max_difference(_weights(single, 1), _weights(spread, 1)) < 1e-5
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_two_node_torchrun_on_loopback_runs_a_training_stage(tmp_path, prefect_server):
+    """Two launches of the train stage with nnodes=2, one rank each, meeting at a rendezvous on
+    127.0.0.1 (as two machines would): the stage commits, with the weights of one process."""
+    from storage.layout import RunLayout
+    from storage.manifest import read_stage_manifest, stage_done
+    from tasks.config import load_config
+    from tasks.launch import run_stage, stage_command
+    from tasks.runtime import run_layout, start_run
+
+    single = _run(tmp_path, "single", ONE)
+    # the same run again, its stages up to the teacher run here; its train stage on the two "nodes"
+    cfg = load_config(write_config(tmp_path / "staged", "placed", root=str(tmp_path / "staged" / "runs"), base=ONE))
+    start_run(cfg, run_layout(cfg))
+    for stage in ("prepare-base", "rollout", "teacher"):
+        run_stage(stage, cfg.storage.root, "placed", 1)
+    root = cfg.storage.root
+    endpoint = f"127.0.0.1:{_free_port()}"
+    spec = {"launcher": "torchrun", "nproc_per_node": 1, "nnodes": 2, "rdzv_endpoint": endpoint, "master_port": None}
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    nodes = [
+        subprocess.Popen(stage_command("train", root, "placed", 1, {**spec, "node_rank": rank}), cwd=REPO, env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for rank in (0, 1)
+    ]
+    outputs = [node.communicate(timeout=600)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], "\n".join(o[-3000:] for o in outputs)
+    done = RunLayout(root, "placed")
+    assert stage_done(done, 1, "train")
+    assert read_stage_manifest(done, 1, "train").data["metrics"]["train/ranks"] == 2.0
+    assert _max_difference(_weights(single, 1), _weights(done, 1)) < 1e-5
+
+
+def test_a_stage_on_a_prefect_work_pool_runs_on_a_real_process_worker(tmp_path, prefect_server):
+    """The train stage as its own flow run of a `sdpo-stage` deployment, picked up by a real
+    `prefect worker` of a process work pool on the test server: the run equals one trained in process."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate
+
+    from flows.stage import sdpo_stage
+
+    pool = f"stages-{tmp_path.name[-12:]}".replace("_", "-")
+    with get_client(sync_client=True) as client:
+        client.create_work_pool(WorkPoolCreate(name=pool, type="process"))
+    sdpo_stage.from_source(source=str(REPO), entrypoint="flows/stage.py:sdpo_stage").deploy(
+        name=pool, work_pool_name=pool, print_next_steps=False
+    )
+    env = dict(os.environ, PREFECT_API_URL=prefect_server, PREFECT_WORKER_QUERY_SECONDS="1", OMP_NUM_THREADS="1")
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "prefect", "worker", "start", "--pool", pool, "--limit", "1"],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )
+    try:
+        single = fingerprint(_run(tmp_path, "single", ONE))
+        pooled = fingerprint(
+            _run(tmp_path, "pooled", ONE,
+                 launch={"train": {"launcher": "work-pool", "deployment": f"sdpo-stage/{pool}", "timeout_s": 600}})
+        )
+    finally:
+        os.killpg(worker.pid, 9)
+        log = worker.communicate(timeout=30)[0]
+    assert differences(single, pooled) == [], log[-3000:]
+    assert "placed/iter-0001/train" in log, log[-3000:]  # the worker ran the stage's flow run

@@ -1,0 +1,91 @@
+"""The terminal viewer driven headlessly by Textual's pilot: sorting, the mask filter, one sample
+with its per-token credit colours and teacher context, and the group view."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from storage.shards import read_stage_columns
+from tasks.viewer.data import RunData
+from tasks.viewer.render import credit_colour
+from tasks.viewer.tui import ViewerApp
+from tests.synthetic import write_synthetic_run
+
+ROWS = 16
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> RunData:
+    root = tmp_path_factory.mktemp("tui")
+    write_synthetic_run(str(root / "runs"), "tiny", local_dir=root, rows=ROWS, group_size=4, seed=0)
+    return RunData(str(root / "runs"), "tiny")
+
+
+@pytest.fixture(scope="module")
+def shard(data) -> dict:
+    return read_stage_columns(data.layout, 1, "teacher")
+
+
+def _column(app: ViewerApp, position: int) -> list[str]:
+    table = app.query_one("#samples")
+    return [table.get_row_at(i)[position] for i in range(table.row_count)]
+
+
+def _hex(color) -> str:  # noqa: ANN001 - a textual Color
+    return f"#{color.r:02x}{color.g:02x}{color.b:02x}"
+
+
+def test_sorting_and_the_mask_filter(data, shard):
+    async def drive() -> None:
+        app = ViewerApp(data)
+        async with app.run_test(size=(160, 50)) as pilot:
+            assert _column(app, 0) == [str(i) for i in range(ROWS)]
+            await pilot.press("r")  # reward, highest first
+            rewards = [float(r) for r in _column(app, 2)]
+            assert rewards == sorted(rewards, reverse=True) and rewards[0] > rewards[-1]
+            assert [int(i) for i in _column(app, 0)] == sorted(range(ROWS), key=lambda i: (-shard["reward"][i], i))
+            await pilot.press("r")  # again: lowest first
+            assert [float(r) for r in _column(app, 2)] == sorted(rewards)
+            await pilot.press("l")
+            lengths = [int(n) for n in _column(app, 3)]
+            assert lengths == sorted(lengths, reverse=True) and lengths[0] > lengths[-1]
+            await pilot.press("d")
+            gaps = {int(i): float(np.mean(s - t)) for i, (s, t) in
+                    enumerate(zip(shard["sampled_logprobs"], shard["teacher_sampled_logprobs"], strict=True))}
+            assert [int(i) for i in _column(app, 0)] == sorted(gaps, key=lambda i: (-gaps[i], i))
+            await pilot.press("m")  # trained only
+            assert set(_column(app, 5)) == {"trained"}
+            assert len(_column(app, 5)) == int(np.sum(shard["sample_mask"]))
+
+    asyncio.run(drive())
+
+
+def test_a_sample_shows_per_token_credit_colours_and_the_teacher_context(data, shard):
+    async def drive() -> None:
+        app = ViewerApp(data)
+        async with app.run_test(size=(160, 50)) as pilot:
+            await pilot.press("r", "down", "enter")  # the second-best sample
+            await pilot.pause()
+            sample_id = int(_column(app, 0)[1])
+            content = app.query_one("#detail").visual
+            credit = shard["teacher_sampled_logprobs"][sample_id] - shard["sampled_logprobs"][sample_id]
+            backgrounds = [_hex(span.style.background) for span in content.spans
+                           if getattr(span.style, "background", None) is not None]
+            expected = [credit_colour(round(float(c), 4)) for c in credit]
+            assert backgrounds == expected
+            assert len(set(backgrounds)) > 3  # the colours vary with the credit
+            text = content.plain
+            assert shard["response_text"][sample_id] in text
+            assert "Teacher context" in text and f"source {shard['teacher_source'][sample_id]}" in text
+            assert shard["teacher_prompt_text"][sample_id].strip() in text
+
+            await pilot.press("g")
+            await pilot.pause()
+            group = app.query_one("#detail").visual.plain
+            assert f"group {shard['group_id'][sample_id]}: 4 answers" in group
+            assert "[demonstration]" in group
+
+    asyncio.run(drive())

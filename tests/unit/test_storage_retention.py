@@ -1,0 +1,97 @@
+"""Retention: the rules keep exactly their union plus what a resume needs; pruning is tombstone first."""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from storage.checkpoints import download_checkpoint, evict_least_recently_used, lineage, upload_checkpoint
+from storage.layout import RunLayout, create_or_open_run
+from storage.manifest import commit_iteration
+from storage.retention import KeepRule, PrunedCheckpointError, apply, is_pruned, plan
+from storage.stages import StageOutput
+
+
+def _run(tmp_path: Path, iterations: int, *, megatron_every: int = 1) -> RunLayout:
+    layout = RunLayout(f"memory://retention-{uuid.uuid4().hex}", "r")
+    create_or_open_run(layout, {"lr": 1.0})
+    weights = tmp_path / "w"
+    weights.mkdir()
+    (weights / "model.safetensors").write_bytes(b"w" * 10)
+    upload_checkpoint(weights, layout, 0, "policy", parent="base")
+    for n in range(1, iterations + 1):
+        for stage in ("rollout", "teacher", "train"):
+            output = StageOutput(layout, n, stage)
+            output.write_json("x.json", {"n": n})
+            output.commit()
+        kinds = ["policy", "teacher"] + (["megatron"] if n % megatron_every == 0 else [])
+        for kind in kinds:
+            upload_checkpoint(weights, layout, n, kind, parent="base")
+        commit_iteration(layout, n, metrics={}, checkpoints=kinds)
+    return layout
+
+
+def _kept(layout: RunLayout, kind: str, iterations: int) -> list[int]:
+    return [n for n in range(iterations + 1) if layout.store.exists(layout.checkpoint_manifest(n, kind))
+            and not is_pruned(layout, n, kind)]
+
+
+def test_rules_keep_their_union_and_what_resume_needs(tmp_path: Path) -> None:
+    layout = _run(tmp_path, 10)
+    accuracy = {2: 0.1, 4: 0.7, 6: 0.3, 8: 0.2, 10: 0.5}
+    apply(layout, resumable=KeepRule(last=2), weights=KeepRule(last=2, every=5, best="eval/acc"),
+          eval_metric=lambda n, name: accuracy.get(n) if name == "eval/acc" else None)
+    assert _kept(layout, "megatron", 10) == [9, 10]
+    assert _kept(layout, "policy", 10) == [0, 4, 5, 9, 10]  # base, best (4), every 5th, last 2
+    assert _kept(layout, "teacher", 10) == [4, 5, 9, 10]
+    records = {(r.iteration, r.kind): r for r in lineage(layout)}
+    assert records[(3, "policy")].pruned and records[(3, "policy")].committed  # the chain of digests stays
+    with pytest.raises(PrunedCheckpointError, match="checkpoint policy of iteration 3 was pruned"):
+        download_checkpoint(layout, 3, "policy", cache_dir=tmp_path / "cache")
+    assert download_checkpoint(layout, 10, "policy", cache_dir=tmp_path / "cache").is_dir()
+
+
+def test_no_rule_keeps_everything_and_a_dry_run_deletes_nothing(tmp_path: Path) -> None:
+    layout = _run(tmp_path, 4)
+    assert all(d.keep for d in plan(layout, resumable=KeepRule(), weights=KeepRule(), eval_metric=lambda n, m: None))
+    decisions = apply(layout, resumable=KeepRule(last=1), weights=KeepRule(last=1),
+                      eval_metric=lambda n, m: None, dry_run=True)
+    assert sorted((d.iteration, d.kind) for d in decisions if not d.keep) == [
+        (1, "megatron"), (1, "policy"), (1, "teacher"), (2, "megatron"), (2, "policy"), (2, "teacher"),
+        (3, "megatron"), (3, "policy"), (3, "teacher"),
+    ]
+    assert _kept(layout, "policy", 4) == [0, 1, 2, 3, 4]
+
+
+def test_the_last_full_training_state_is_kept_even_when_the_rule_would_drop_it(tmp_path: Path) -> None:
+    layout = _run(tmp_path, 7, megatron_every=3)  # full states at 3 and 6; LATEST = 7
+    apply(layout, resumable=KeepRule(every=100), weights=KeepRule(last=1), eval_metric=lambda n, m: None)
+    assert _kept(layout, "megatron", 7) == [6]
+    assert _kept(layout, "policy", 7) == [0, 7]
+
+
+def test_a_prune_killed_after_its_tombstone_is_finished(tmp_path: Path) -> None:
+    layout = _run(tmp_path, 3)
+    layout.store.write_bytes(layout.checkpoint_tombstone(1, "policy"), b'{"pruned_at": "t", "reason": "r", "bytes": 10}')
+    assert layout.store.list_files(layout.checkpoint_files_dir(1, "policy"))
+    apply(layout, resumable=KeepRule(), weights=KeepRule(), eval_metric=lambda n, m: None)
+    assert layout.store.list_files(layout.checkpoint_files_dir(1, "policy")) == []
+
+
+def test_the_cache_evicts_least_recently_used_checkpoints(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    folders = []
+    for i in range(4):
+        folder = cache / (f"{i}" * 64)
+        folder.mkdir(parents=True)
+        (folder / "w").write_bytes(b"x" * 100)
+        os.utime(folder, (time.time() - 100 + i, time.time() - 100 + i))
+        folders.append(folder)
+    os.utime(folders[0])  # used just now
+    removed = evict_least_recently_used(cache, max_bytes=250, keep=folders[3])
+    assert removed == [folders[1], folders[2]]
+    assert folders[0].exists() and folders[3].exists()

@@ -1,0 +1,141 @@
+"""Every verifier on adversarial answers: no exception but a label error, no call over its time bound.
+
+The named inputs are the ones that stalled or crashed the verifiers before they were bounded; the
+fuzz test (hypothesis) mixes their building blocks at random. `MAX_CALL_S` (CPU seconds) is far
+above what a bounded verifier needs (milliseconds) and far below what the unbounded ones took (14 s
+to never)."""
+
+from __future__ import annotations
+
+import gc
+import json
+import time
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from sdpo_core.records import Verdict
+from sdpo_core.verifiers import arithmetic, code, math, mcq, tooluse
+from sdpo_core.verifiers.code import Execution, TestSuite, suite_to_label
+
+MAX_CALL_S = 1.0
+REACT_LABEL = json.dumps([{"Action": "search", "Action_Input": '{"q": "x"}'}])
+CALLS_LABEL = json.dumps({"ground_truth": [{"f": {"x": [1]}}], "functions": [{"name": "f", "parameters": {}}]})
+CODE_LABEL = suite_to_label(TestSuite(testtype="stdin", inputs=["1\n"], outputs=["1\n"]))
+
+
+def _no_run(program: str, suite: TestSuite) -> list[Execution]:
+    return [Execution(index=i, status="ok", output=program[:100]) for i in range(len(suite.inputs))]
+
+
+VERIFIERS = {
+    "arithmetic": lambda text: arithmetic.verify(text, "42", truncated=False),
+    "mcq": lambda text: mcq.verify(text, "B", truncated=False),
+    "math": lambda text: math.verify(text, "42", truncated=False),
+    "math (solution label)": lambda text: math.verify(text, "so 6*7 = 42\n#### 42", truncated=False),
+    "tooluse": lambda text: tooluse.verify(text, REACT_LABEL, truncated=False, detailed_feedback=True),
+    "function_call": lambda text: tooluse.verify_function_calls(text, CALLS_LABEL, truncated=False),
+    "code (judging only)": lambda text: code.verify(text, CODE_LABEL, truncated=False, run_tests=_no_run),
+}
+
+HOSTILE = {
+    "unclosed boxed, repeated": "\\boxed{" * 20_000,
+    "boxed 1e10000000": "\\boxed{1e10000000}",
+    "boxed 1e999999999": "\\boxed{1e999999999}",
+    "boxed 5000 digits": "\\boxed{" + "9" * 5_000 + "}",
+    "boxed a fraction of huge numbers": "\\boxed{\\frac{" + "7" * 5_000 + "}{3}}",
+    "gsm8k marker and a huge number": "#### " + "1" * 100_000,
+    "huge number with an exponent for sympy": "\\boxed{2^{" + "9" * 60 + "}}",
+    "deep parentheses": "\\boxed{" + "(" * 5_000 + "1" + ")" * 5_000 + "}",
+    "repeated Action lines": "Action: search\n" * 4_000,
+    "Action on one long line": "Action: x " * 20_000,
+    "deeply nested Action Input": "Action: search\nAction Input: " + "[" * 100_000,
+    "deeply nested closed Action Input": 'Action: search\nAction Input: {"q": ' + "[" * 50_000 + "]" * 50_000 + "}",
+    "deeply nested JSON calls": "[" * 100_000,
+    "deeply nested arguments text": '{"name": "f", "arguments": "' + "[" * 20_000 + '"}',
+    "nested Python calls": "f(" * 10_000,
+    "digits then garbage": "1" * 100_000 + "x",
+    "a huge final integer": "1" * 10_000,
+    "many answer tags": "<answer>" * 50_000,
+    "unclosed fences": "```python\n" * 20_000,
+    "Arabic-Indic 42": "\\boxed{٤٢}",
+    "fullwidth 42": "\\boxed{４２}",
+}
+
+
+def timed(verify, text: str) -> Verdict:
+    gc.disable()  # a collection of the whole test session's heap is not the verifier's work
+    try:
+        started = time.thread_time()  # CPU time of this thread: other processes and threads do not count
+        verdict = verify(text)
+        elapsed = time.thread_time() - started
+    finally:
+        gc.enable()
+    assert elapsed < MAX_CALL_S, f"{elapsed:.2f} s"
+    assert isinstance(verdict, Verdict) and 0.0 <= verdict.reward <= 1.0
+    return verdict
+
+
+@pytest.mark.parametrize("name", list(VERIFIERS))
+@pytest.mark.parametrize("attack", list(HOSTILE), ids=list(HOSTILE))
+def test_a_hostile_answer_is_judged_quickly_and_scores_zero(name, attack):
+    verdict = timed(VERIFIERS[name], HOSTILE[attack])
+    if name != "code (judging only)":  # the stand-in runner echoes the program: not a real judgement
+        assert verdict.reward == 0.0
+
+
+def test_non_ascii_digits_are_not_numbers():
+    assert math.verify("\\boxed{42}", "42", truncated=False).reward == 1.0
+    for digits in ("٤٢", "４２", "۴۲"):
+        assert math.verify(f"\\boxed{{{digits}}}", "42", truncated=False).reward == 0.0
+        assert arithmetic.final_answer(f"the answer is {digits}") is None
+    assert math.to_number("٤٢") is None
+
+
+def test_bounded_numbers_still_compare_exactly():
+    assert math.verify("\\boxed{1e3}", "1000", truncated=False).reward == 1.0
+    assert math.verify("\\boxed{" + "9" * 900 + "}", "9" * 900, truncated=False).reward == 1.0
+    assert math.to_number("1e1001") is None and math.to_number("1" * 1001) is None
+    assert arithmetic.final_answer("x = " + "7" * 1000) == int("7" * 1000)
+    assert arithmetic.final_answer("x = " + "7" * 1001) is None
+
+
+def test_nesting_is_a_format_error_that_says_so():
+    verdict = tooluse.verify("Action: search\nAction Input: " + "[" * 100_000, REACT_LABEL, truncated=False)
+    assert verdict.format_error and "deeper than 32 levels" in verdict.feedback
+    verdict = tooluse.verify_function_calls("[" * 100_000, CALLS_LABEL, truncated=False)
+    assert verdict.format_error and "deeper than 32 levels" in verdict.feedback
+
+
+def test_the_react_parser_is_linear():
+    """Doubling the input must not quadruple the time (the old parser copied the rest per step)."""
+    def seconds(n):
+        text = "Thought: go\nAction: search\n" * n + 'Action Input: {"q": "x"}\n' * n
+        started = time.thread_time()
+        tooluse.parse_react_steps(text)
+        return time.thread_time() - started
+
+    small, large = seconds(2_000), seconds(8_000)
+    assert large < 8 * small + 0.05, (small, large)  # 4x the input: about 4x the time, never 16x
+
+
+PIECES = st.sampled_from([
+    "\\boxed{", "}", "{", "\\frac", "####", "Action:", "Action Input:", "\n", "[", "]", "(", ")", '"', ":", ",",
+    "<answer>", "</answer>", "```", "```python\n", "e", "E", "^", "9" * 50, "1", "-", ".", "x", "f(", "=", "٤", "４",
+    '{"name": "f", "arguments": ', "sqrt", "\\sqrt{", "pi", " ", "%",
+])
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(pieces=st.lists(PIECES, max_size=400), repeat=st.integers(min_value=1, max_value=50))
+@pytest.mark.parametrize("name", list(VERIFIERS))
+def test_fuzz_every_verifier_stays_within_its_time_bound(name, pieces, repeat):
+    timed(VERIFIERS[name], "".join(pieces) * repeat)
+
+
+@settings(max_examples=100, deadline=None)
+@given(text=st.text(max_size=2_000))
+@pytest.mark.parametrize("name", list(VERIFIERS))
+def test_fuzz_every_verifier_on_arbitrary_text(name, text):
+    timed(VERIFIERS[name], text)
