@@ -102,10 +102,13 @@ def complete_iteration(run: Any, tracker: Any, n: int) -> tuple[dict[str, float]
 
 
 def finish_run(run: Any, tracker: Any, summary: Any) -> None:
-    """The end of a complete run: its MLflow artifacts, its Prefect summary, the MLflow run closed."""
+    """The end of a complete run: its MLflow artifacts and models, its Prefect summary, the MLflow
+    run closed."""
     from flows.artifacts import publish_run
+    from tasks.tracking_assets import log_policies
 
     summary.write_artifacts(run, tracker)
+    log_policies(run=run, tracker=tracker)
     publish_run(run, tracker, summary.as_dict())
     tracker.finish()
 

@@ -364,6 +364,10 @@ class TrackingConfig(_Section):
         "http://127.0.0.1:5000", description="MLflow UI address that Prefect artifacts link to; null = no links"
     )
     system_metrics: bool = Field(True, description="sample CPU, memory, disk and GPU use into the MLflow run (system/*)")
+    log_model: bool = Field(
+        True, description="log the final (and best) policy as an MLflow transformers model when the run completes"
+    )
+    register_model: str | None = Field(None, description="also register the final policy under this model name")
 
 
 class EvalConfig(_Section):

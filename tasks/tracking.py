@@ -229,11 +229,13 @@ def open_tracker(run: Any) -> Tracker:
     for a fork, its parent tagged."""
     from storage.fork import read_fork
     from storage.layout import read_config_changes
+    from tasks.tracking_assets import log_datasets
 
     layout = run.layout
     local_root = Path(layout.store.path(layout.root_url)) if layout.store.backend == "file" else None
     tracker = Tracker(run.cfg, layout.run_url, local_root_dir=local_root)
     tracker.record_config_changes(read_config_changes(run.layout))
+    log_datasets(tracker, run)
     fork = read_fork(layout)
     if fork is not None:
         tracker.record_fork(fork)

@@ -27,7 +27,7 @@ def test_two_iterations_commit_shards_checkpoints_and_metrics(tmp_path, prefect_
     from storage.manifest import read_iteration_manifest, read_latest
     from storage.shards import read_stage_columns
 
-    config = write_config(tmp_path, "tiny")
+    config = write_config(tmp_path, "tiny", tracking={"register_model": "tiny-policy"})
     monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "1")
     summary = sdpo_run(str(config), [])
 
@@ -61,6 +61,17 @@ def test_two_iterations_commit_shards_checkpoints_and_metrics(tmp_path, prefect_
     assert runs[0].data.params["loss.alpha"] == "0.5"
     assert "system/cpu_utilization_percentage" in runs[0].data.metrics
     assert "loss/sdpo" in runs[0].data.metrics and "loss/total" not in runs[0].data.metrics
+    # the prompt sets as dataset inputs, the final policy as a registered transformers model
+    contexts = {i.tags[0].value: i.dataset.name for i in runs[0].inputs.dataset_inputs}
+    assert contexts == {"training": "tiny-training", "evaluation": "tiny-evaluation"}
+    import mlflow
+
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    models = {m.name for m in mlflow.search_logged_models(experiment_ids=[runs[0].info.experiment_id], output_format="list")}
+    assert "policy" in models
+    (version,) = client.search_model_versions("name='tiny-policy'")
+    loaded = mlflow.transformers.load_model(f"models:/tiny-policy/{version.version}", return_type="components")
+    assert {"model", "tokenizer"} <= set(loaded) and loaded["model"].config.vocab_size >= len(loaded["tokenizer"])
     assert set(summary["stage_seconds"]) == {"rollout", "teacher", "train"}
     assert 0.0 <= summary["after"]["eval/greedy_accuracy"] <= 1.0
 
