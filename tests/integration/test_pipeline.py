@@ -27,7 +27,7 @@ def test_two_iterations_commit_shards_checkpoints_and_metrics(tmp_path, prefect_
     from storage.manifest import read_iteration_manifest, read_latest
     from storage.shards import read_stage_columns
 
-    config = write_config(tmp_path, "tiny", tracking={"register_model": "tiny-policy"})
+    config = write_config(tmp_path, "tiny", tracking={"register_model": "tiny-policy", "log_model": True})
     monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "1")
     summary = sdpo_run(str(config), [])
 
