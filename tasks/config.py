@@ -389,7 +389,12 @@ class StageLaunch(_Section):
     deployment: str | None = Field(
         None, description="work-pool: the deployment of flows/stage.py:sdpo_stage to run, e.g. sdpo-stage/gpu"
     )
-    timeout_s: float | None = Field(None, gt=0, description="work-pool: give up waiting for the stage's flow run after this")
+    timeout_s: float | None = Field(
+        None,
+        gt=0,
+        description="subprocess / torchrun: kill the stage's process group after this many seconds; "
+        "work-pool: stop waiting for its flow run. The stage fails and its next attempt resumes from the store",
+    )
     nproc_per_node: int = Field(1, ge=1, description="torchrun: processes on this node")
     nnodes: int = Field(1, ge=1, description="torchrun: nodes taking part (each runs the same flow step)")
     node_rank: int = Field(0, ge=0, description="torchrun: this node's rank among nnodes")

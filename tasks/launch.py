@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Callable, Mapping
@@ -134,15 +135,27 @@ def launch_stage(
         env[OPTIONS_ENV] = json.dumps(dict(storage_options))
     logger.info("launching %s of iteration %d: %s", stage, iteration, " ".join(command))
     # Its own session: a stage that crashes (or is killed with its process group) leaves the flow standing.
-    done = subprocess.run(
-        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, check=False, start_new_session=True
+    process = subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
     )
-    if done.returncode != 0:
+    try:
+        output, _ = process.communicate(timeout=spec["timeout_s"])
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)  # torchrun's ranks too
+        output, _ = process.communicate()
+        raise StageProcessError(
+            f"stage {stage} of iteration {iteration} of run {run!r} ran past launch.{stage}.timeout_s="
+            f"{spec['timeout_s']} and was killed; its last output:\n{output[-_TAIL:]}"
+        ) from None
+    finally:
+        if process.poll() is None:  # interrupted (Ctrl-C): the stage must not run on without its flow
+            os.killpg(process.pid, signal.SIGKILL)
+    if process.returncode != 0:
         raise StageProcessError(
             f"stage {stage} of iteration {iteration} of run {run!r} failed: {' '.join(command)} exited with "
-            f"{done.returncode}; its last output:\n{done.stdout[-_TAIL:]}"
+            f"{process.returncode}; its last output:\n{output[-_TAIL:]}"
         )
-    logger.debug("%s of iteration %d finished:\n%s", stage, iteration, done.stdout[-_TAIL:])
+    logger.debug("%s of iteration %d finished:\n%s", stage, iteration, output[-_TAIL:])
 
 
 def _run_on_work_pool(

@@ -164,3 +164,16 @@ def test_a_stage_on_a_prefect_work_pool_runs_on_a_real_process_worker(tmp_path, 
         log = worker.communicate(timeout=30)[0]
     assert differences(single, pooled) == [], log[-3000:]
     assert "placed/iter-0001/train" in log, log[-3000:]  # the worker ran the stage's flow run
+
+
+def test_a_stage_process_past_its_timeout_is_killed_and_the_stage_fails(tmp_path, prefect_server):
+    from storage.layout import RunLayout
+    from storage.manifest import stage_done
+    from tasks.launch import StageProcessError
+
+    with pytest.raises(StageProcessError, match=r"ran past launch.rollout.timeout_s=0.5 and was killed"):
+        _run(tmp_path, "slow", ONE, launch={"rollout": {"launcher": "subprocess", "timeout_s": 0.5}})
+    layout = RunLayout(str(tmp_path / "slow" / "runs"), "placed")
+    assert not stage_done(layout, 1, "rollout")
+    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    assert str(tmp_path / "slow") not in ps  # no stage process left running
