@@ -21,8 +21,6 @@ from typing import Any
 from prefect import task
 
 INPROCESS = {"launcher": "inprocess"}
-
-
 RETRY_DELAYS = [10, 60]  # seconds before the first and the second retry
 
 
