@@ -9,6 +9,7 @@ a Megatron distributed checkpoint with optimizer, scheduler, RNG and data cursor
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -565,29 +566,20 @@ def ema_teacher_folder(previous: Path, policy_dir: Path, out_dir: Path, *, rate:
     save_file(teacher, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
 
 
+@contextlib.contextmanager
 def _shared_scratch(cache_dir: str, rank: int) -> Any:
     """A scratch folder every rank writes into: rank 0 makes it, the others are told its path."""
-    import contextlib
-
     import torch.distributed as dist
 
     from storage.scratch import scratch_dir
 
-    @contextlib.contextmanager
-    def shared() -> Any:
-        if dist.get_world_size() == 1:
-            with scratch_dir(cache_dir, "ckpt") as path:
-                yield path
-            return
-        holder: list[Any] = [None]
-        with contextlib.ExitStack() as stack:
-            if rank == 0:
-                holder[0] = str(stack.enter_context(scratch_dir(cache_dir, "ckpt")))
-            dist.broadcast_object_list(holder, src=0)
-            yield Path(holder[0])
-            dist.barrier()  # nobody is still writing when rank 0 removes it
-
-    return shared()
+    holder: list[Any] = [None]
+    with contextlib.ExitStack() as stack:
+        if rank == 0:
+            holder[0] = str(stack.enter_context(scratch_dir(cache_dir, "ckpt")))
+        dist.broadcast_object_list(holder, src=0)
+        yield Path(holder[0])
+        dist.barrier()  # nobody is still writing when rank 0 removes it
 
 
 def _check_shared(folder: Path, world: int) -> None:
