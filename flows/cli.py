@@ -114,7 +114,7 @@ def run(
     from flows.progress import iteration_progress
     from flows.run import sdpo_run
     from tasks.runtime import run_layout
-    from tasks.summary import render_table
+    from tasks.tracking.summary import render_table
 
     with prefect_local_mode(cfg.name), iteration_progress(run_layout(cfg), cfg.iterations, log_console):
         summary = sdpo_run(str(config), list(overrides or []), allow_config_change, force_unlock)
@@ -388,7 +388,7 @@ def prepare_data(
     option: Annotated[Optional[list[str]], typer.Option(help="converter option key=value (repeatable)")] = None,
 ) -> None:
     """Convert a data set into the run's prompt schema (prompt messages, label, data source, metadata)."""
-    from tasks.prepare_data import InvalidRowError, cli_prepare
+    from tasks.data.prepare import InvalidRowError, cli_prepare
 
     try:
         stats = cli_prepare(

@@ -76,7 +76,7 @@ def complete_iteration(run: Any, tracker: Any, n: int) -> tuple[dict[str, float]
     from storage.manifest import read_iteration_manifest, read_latest
     from storage.stages import read_eval
     from tasks.runtime import apply_retention
-    from tasks.summary import sample_table
+    from tasks.tracking.summary import sample_table
 
     cfg, root, name = run.cfg, run.layout.root_url, run.layout.run_name
     launch = cfg.launch.model_dump(mode="json")
@@ -105,7 +105,7 @@ def finish_run(run: Any, tracker: Any, summary: Any) -> None:
     """The end of a complete run: its MLflow artifacts and models, its Prefect summary, the MLflow
     run closed."""
     from flows.artifacts import publish_run
-    from tasks.tracking_assets import log_policies
+    from tasks.tracking.assets import log_policies
 
     summary.write_artifacts(run, tracker)
     log_policies(run=run, tracker=tracker)
@@ -163,8 +163,8 @@ def _advance_locked(cfg: Any, layout: Any, *, allow_config_change: bool) -> Any:
     """The body of `sdpo_advance`, holding the run lock."""
     from storage.manifest import read_iteration_manifest, read_latest
     from tasks.runtime import start_run
-    from tasks.summary import RunSummary
-    from tasks.tracking import open_tracker
+    from tasks.tracking.summary import RunSummary
+    from tasks.tracking.experiment import open_tracker
 
     run = start_run(cfg, layout, allow_config_change=allow_config_change)
     latest = min(read_latest(layout) or 0, cfg.iterations)

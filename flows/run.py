@@ -43,8 +43,8 @@ def sdpo_run(
     from tasks.config import load_config
     from tasks.preflight import preflight
     from tasks.runtime import run_layout, start_run
-    from tasks.summary import RunSummary
-    from tasks.tracking import open_tracker
+    from tasks.tracking.summary import RunSummary
+    from tasks.tracking.experiment import open_tracker
 
     quiet_libraries()
     cfg = load_config(config_path, overrides or [])

@@ -144,7 +144,7 @@ class VerifierConfig(_Section):
         if unknown:
             raise ValueError(f"{unknown} are not arguments of the {name!r} verifier; it takes {sorted(params)}")
         if name == "code":
-            from tasks.sandbox import SandboxLimits
+            from tasks.sandbox.program import SandboxLimits
 
             try:
                 SandboxLimits(**{k: v for k, v in kwargs.items() if k != "partial_credit"})

@@ -98,13 +98,13 @@ def verifier_parameters(name: str) -> dict[str, inspect.Parameter]:
     from sdpo_core.verifiers import VERIFIERS
 
     if name == "code":
-        from tasks.sandbox import verify_code as function
+        from tasks.sandbox.program import verify_code as function
     else:
         function = VERIFIERS[name]
     params = {k: p for k, p in inspect.signature(function).parameters.items()
               if p.kind == p.KEYWORD_ONLY and k != "truncated"}
     if name == "code":
-        from tasks.sandbox import SandboxLimits
+        from tasks.sandbox.program import SandboxLimits
 
         params.update(inspect.signature(SandboxLimits).parameters)
     return params

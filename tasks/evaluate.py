@@ -15,7 +15,7 @@ logger = logging.getLogger(__name__)
 
 def evaluate_checkpoint(run: Run, policy_dir: Path, *, progress: bool = True) -> dict[str, float]:
     """Greedy and sampled accuracy of the checkpoint in `policy_dir` on the eval split."""
-    from tasks.data import load_splits
+    from tasks.data.prompts import load_splits
     from tasks.rollout import sample_groups
 
     cfg = run.cfg
@@ -49,7 +49,7 @@ def teacher_accuracy(run: Run, teacher_dir: Path, *, progress: bool = False) -> 
     """Greedy accuracy on the eval split of the teacher with the reference answer in context as a
     peer's solution (rendered by `build_teacher_messages`): the gap SDPO distils."""
     from sdpo_core.teacher_context import build_teacher_messages
-    from tasks.data import load_splits
+    from tasks.data.prompts import load_splits
     from tasks.rollout import sample_groups
 
     cfg = run.cfg

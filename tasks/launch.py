@@ -40,7 +40,7 @@ class StageProcessError(RuntimeError):
 
 
 def _prepare_base(root: str, run: str, iteration: int) -> Any:
-    from tasks.base_model import ensure_base_checkpoint
+    from tasks.prepare_base import ensure_base_checkpoint
     from tasks.runtime import open_run
 
     return ensure_base_checkpoint(open_run(root, run))

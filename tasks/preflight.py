@@ -3,7 +3,7 @@
 `sdpo run` and `sdpo validate` call `preflight(cfg)` after the config validated and before
 anything is written or handed to Prefect or MLflow, so a bad setup fails without leaving a run
 folder: the storage root must not be a file, prepared data must follow the schema
-(tasks/data_schema.py) with a held-out set disjoint from training, and `rollout.top_k` must fit
+(tasks/data/schema.py) with a held-out set disjoint from training, and `rollout.top_k` must fit
 the tokenizer's vocabulary (bootstrap tokenizer, local model folder or preset; a model at a remote
 URL is checked when the rollout stage loads it).
 """
@@ -29,7 +29,7 @@ def _local(url: str) -> Path | None:
 def vocabulary_size(cfg: RunConfig) -> int | None:
     """Ids in the policy's tokenizer, or None where it is only known once downloaded."""
     if cfg.model.preset == "smollm2-135m-instruct":
-        from tasks.smollm2 import materialise_smollm2
+        from tasks.data.smollm2 import materialise_smollm2
 
         folder: Path | None = materialise_smollm2(cfg.storage.cache_dir)
     elif cfg.model.path:
@@ -37,7 +37,7 @@ def vocabulary_size(cfg: RunConfig) -> int | None:
         if folder is None:
             return None
     else:
-        from tasks.bootstrap import bootstrap_vocabulary_size
+        from tasks.data.bootstrap import bootstrap_vocabulary_size
 
         return bootstrap_vocabulary_size()
     from transformers import AutoTokenizer
@@ -52,7 +52,7 @@ def preflight(cfg: RunConfig) -> None:
     if root is not None and root.exists() and not root.is_dir():
         raise ConfigError(f"storage.root: {cfg.storage.root!r} is a file, not a folder; point it at a folder")
     if cfg.data.source == "prepared":
-        from tasks.data import load_splits
+        from tasks.data.prompts import load_splits
 
         try:
             load_splits(cfg.data, seed=cfg.seed)

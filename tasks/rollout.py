@@ -69,12 +69,12 @@ def effective_top_k(cfg: RunConfig, vocab_size: int) -> int:
 
 def verify(cfg: RunConfig, response_text: str, label: str, *, truncated: bool):
     """The configured verifier's verdict; code runs in the sandbox (bounded by its `total_s`), every
-    other verifier in a worker that gets `verifier.time_budget_s` per answer (tasks/verify_budget.py)."""
+    other verifier in a worker that gets `verifier.time_budget_s` per answer (tasks/sandbox/budget.py)."""
     if cfg.verifier.name == "code":
-        from tasks.sandbox import verify_code
+        from tasks.sandbox.program import verify_code
 
         return verify_code(response_text, label, truncated=truncated, **cfg.verifier.kwargs)
-    from tasks.verify_budget import BudgetedVerifier
+    from tasks.sandbox.budget import BudgetedVerifier
 
     key = (cfg.verifier.name, json.dumps(cfg.verifier.kwargs, sort_keys=True), cfg.verifier.time_budget_s)
     verifier = _VERIFIERS.get(key)
@@ -191,7 +191,7 @@ def run_rollout(root: str, run_name: str, iteration: int) -> dict:
     """Rollout stage of `iteration`: returns its manifest (skips when already committed)."""
     from storage.manifest import read_stage_manifest, stage_done
     from storage.shards import write_stage
-    from tasks.data import iteration_prompts, load_splits
+    from tasks.data.prompts import iteration_prompts, load_splits
     from tasks.runtime import open_run
 
     run = open_run(root, run_name)

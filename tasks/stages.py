@@ -53,7 +53,7 @@ def _stage_manifest(root: str, run: str, iteration: int, stage: str) -> dict[str
 
 @task(name="prepare-base", retries=0)
 def prepare_base(root: str, run: str) -> dict[str, Any]:
-    from tasks.base_model import ensure_base_checkpoint
+    from tasks.prepare_base import ensure_base_checkpoint
     from tasks.runtime import open_run
 
     return ensure_base_checkpoint(open_run(root, run))

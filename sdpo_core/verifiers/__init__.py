@@ -2,7 +2,7 @@
 
 Each verifier has the signature `verify(response_text, label, *, truncated, **kwargs) -> Verdict`;
 `VERIFIERS` maps the names a run config uses to them. The code verifier runs nothing itself: the
-rollout stage gives it the sandbox (`tasks.sandbox.verify_code`).
+rollout stage gives it the sandbox (`tasks.sandbox.program.verify_code`).
 """
 
 from collections.abc import Callable

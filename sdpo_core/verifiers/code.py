@@ -1,7 +1,7 @@
 """Verifier for code answers: extraction, judging of test executions, LeetCode-style feedback.
 
 This module is pure: it never runs the program. `verify` takes a `run_tests` callable (the
-sandbox, `tasks.sandbox.runner(...)`) that executes the extracted program against a `TestSuite`
+sandbox, `tasks.sandbox.program.runner(...)`) that executes the extracted program against a `TestSuite`
 and returns one raw `Execution` per test; this module judges those executions against the
 expected outputs (which therefore never enter the sandbox) and writes the feedback.
 
@@ -145,7 +145,7 @@ class TestResult:
 
 
 TestRunner = Callable[[str, TestSuite], Sequence[Execution]]
-"""(program source, tests) -> one Execution per test, in order (tasks.sandbox.runner builds one)."""
+"""(program source, tests) -> one Execution per test, in order (tasks.sandbox.program.runner builds one)."""
 
 
 def parse_tests(label: str) -> TestSuite:
@@ -344,13 +344,13 @@ def verify(
 ) -> Verdict:
     """Score one response: 1.0 iff the longest fenced block passes every test.
 
-    `run_tests` executes a program (tasks.sandbox.runner builds one); it is required, since this
+    `run_tests` executes a program (tasks.sandbox.program.runner builds one); it is required, since this
     module never runs code itself. With `partial_credit` the reward is the fraction of tests
     passed instead. A truncated response scores 0 without running anything, as the other verifiers
     do: the program it would have ended with is unknown.
     """
     if run_tests is None:
-        raise ValueError("the code verifier needs run_tests= (a sandbox runner, e.g. tasks.sandbox.runner())")
+        raise ValueError("the code verifier needs run_tests= (a sandbox runner, e.g. tasks.sandbox.program.runner())")
     suite = parse_tests(label)
     if truncated:
         return Verdict(reward=0.0, feedback=TRUNCATED, truncated=True)

@@ -6,7 +6,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from sdpo_core.teacher_context import FEEDBACK_TEMPLATE, REPROMPT_TEMPLATE, SOLUTION_TEMPLATE, build_teacher_messages
 from sdpo_core.verifiers.arithmetic import FORMAT_ERROR, TRUNCATED
-from tasks.bootstrap import (
+from tasks.data.bootstrap import (
     IM_END,
     UNK_TOKEN,
     bootstrap_checkpoint,
@@ -17,7 +17,7 @@ from tasks.bootstrap import (
     warmup_messages,
     wrong_answer,
 )
-from tasks.demo_data import make_splits
+from tasks.data.demo import make_splits
 
 TEXTS = [
     "37+45=82",

@@ -19,7 +19,7 @@ import pytest
 
 from sdpo_core.verifiers import code, mcq, tooluse
 from sdpo_core.verifiers import math as math_verifier
-from tasks.prepare_data import InvalidRowError, cli_prepare, parse_options, prepare, read_prepared
+from tasks.data.prepare import InvalidRowError, cli_prepare, parse_options, prepare, read_prepared
 
 DATA = Path(__file__).resolve().parents[1] / "fixtures" / "data"
 
@@ -185,7 +185,7 @@ def test_livecodebench_rejects_a_problem_level_eval_ratio(tmp_path):
 
 # -- offline packages -----------------------------------------------------------------------------
 def test_humaneval_gzip_and_the_canonical_solution_passes_in_the_sandbox(tmp_path):
-    from tasks.sandbox import verify_code
+    from tasks.sandbox.program import verify_code
 
     source = tmp_path / "HumanEval.jsonl.gz"
     source.write_bytes(gzip.compress(Path(fixture("humaneval/HumanEval.jsonl")).read_bytes()))

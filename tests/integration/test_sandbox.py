@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from sdpo_core.verifiers.code import TestSuite, suite_to_label
-from tasks.sandbox import _UID_RANGE, SandboxLimits, namespace_isolation_available, run_program, verify_code
+from tasks.sandbox.program import _UID_RANGE, SandboxLimits, namespace_isolation_available, run_program, verify_code
 
 NAMESPACES = namespace_isolation_available()
 needs_namespaces = pytest.mark.skipif(not NAMESPACES, reason="namespace isolation needs root and unshare")

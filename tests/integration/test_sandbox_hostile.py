@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from sdpo_core.verifiers.code import TestSuite, suite_to_label
-from tasks.sandbox import SandboxLimits, run_program, verify_code
+from tasks.sandbox.program import SandboxLimits, run_program, verify_code
 from tests.integration.test_sandbox import ALL, FAST, LEVELS, NAMESPACE_LEVELS, one
 
 # -- reward hacks: each must score 0 on a test suite it does not solve -----------------------------
@@ -273,7 +273,7 @@ def test_forked_processes_share_one_memory_limit(limits):
 
 
 def test_the_process_level_is_refused_unless_named(monkeypatch):
-    import tasks.sandbox as sandbox
+    import tasks.sandbox.program as sandbox
 
     monkeypatch.setattr(sandbox, "namespace_isolation_available", lambda: False)
     with pytest.raises(RuntimeError, match="verifier.kwargs.isolation=process"):

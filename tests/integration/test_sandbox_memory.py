@@ -1,4 +1,4 @@
-"""The sandbox's memory cgroup (tasks/sandbox_memory.py) on this machine's real cgroup tree."""
+"""The sandbox's memory cgroup (tasks/sandbox/memory.py) on this machine's real cgroup tree."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-from tasks.sandbox_memory import address_space_budget, memory_cgroup, memory_cgroup_parent
+from tasks.sandbox.memory import address_space_budget, memory_cgroup, memory_cgroup_parent
 
 needs_cgroups = pytest.mark.skipif(memory_cgroup_parent() is None, reason="needs root and a memory cgroup tree")
 

@@ -10,7 +10,7 @@ def test_sglang_rollout_matches_the_embedded_engine_and_survives_faults(tmp_path
     from flows.run import sdpo_run
     from storage.layout import RunLayout
     from storage.manifest import read_latest
-    from tasks.base_model import bootstrap_cache_dir
+    from tasks.prepare_base import bootstrap_cache_dir
     from tasks.runtime import open_run
 
     embedded = write_config(tmp_path, "embedded")

@@ -16,7 +16,7 @@ def test_two_servers_behind_the_router_serve_the_run_and_follow_every_weight_upd
     from storage.checkpoints import resolve_checkpoint
     from storage.layout import RunLayout
     from storage.manifest import read_latest
-    from tasks.base_model import bootstrap_cache_dir
+    from tasks.prepare_base import bootstrap_cache_dir
     from tasks.engines.sglang import checkpoint_weight_version
     from tasks.runtime import open_run
 

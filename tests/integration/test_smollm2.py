@@ -15,7 +15,7 @@ pytestmark = pytest.mark.skipif(
 CONVERT_AND_ASK = """
 import sys, torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
-from tasks.smollm2 import materialise_smollm2
+from tasks.data.smollm2 import materialise_smollm2
 
 folder = materialise_smollm2(sys.argv[1])
 assert materialise_smollm2(sys.argv[1]) == folder  # cached

@@ -1,6 +1,6 @@
 import pytest
 
-from tasks.demo_data import addition_row, make_splits
+from tasks.data.demo import addition_row, make_splits
 
 
 def test_row_schema_and_label():

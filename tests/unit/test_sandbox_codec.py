@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from tasks.sandbox_codec import CodecError, decode, encode, to_json
+from tasks.sandbox.codec import CodecError, decode, encode, to_json
 
 
 @pytest.mark.parametrize("value", [

@@ -10,8 +10,8 @@ import pytest
 
 from flows.artifacts import artifact_key, iteration_markdown, mlflow_run_link
 from tasks.config import build_config
-from tasks.summary import RunSummary, render_table
-from tasks.tracking import Tracker, metric_names, source_tags, tracking_uri
+from tasks.tracking.summary import RunSummary, render_table
+from tasks.tracking.experiment import Tracker, metric_names, source_tags, tracking_uri
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -1,4 +1,4 @@
-"""The per-answer time budget around the pure verifiers (tasks/verify_budget.py)."""
+"""The per-answer time budget around the pure verifiers (tasks/sandbox/budget.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from tasks.verify_budget import BudgetedVerifier, overrun_verdict
+from tasks.sandbox.budget import BudgetedVerifier, overrun_verdict
 
 SYMBOLIC = "\\boxed{\\sqrt{2} \\cdot \\sqrt{2}}"  # the first symbolic answer imports sympy: ~1 s
 

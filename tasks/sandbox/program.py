@@ -1,6 +1,6 @@
 """Sandboxed execution of model-written programs against a test suite (the code verifier's runner).
 
-One call of `run_program` starts one sandbox (tasks/sandbox_harness.py): a judge process that
+One call of `run_program` starts one sandbox (tasks/sandbox/harness.py): a judge process that
 holds the report pipe and a runner process, forked before the judge reads the tests, which is the
 only one executing the program. The judge reports each test's raw output over the pipe; the parent
 enforces the per-test and total wall-clock limits by watching that pipe, and kills the whole
@@ -23,7 +23,7 @@ Isolation levels (`SandboxLimits.isolation`):
   and on the Python-level guard (an audit hook), which native code could bypass.
 - "auto": "namespace"; where it is unavailable the run is refused (name "process" to accept the
   weaker level).
-Memory: one limit for the whole sandbox (tasks/sandbox_memory.py).
+Memory: one limit for the whole sandbox (tasks/sandbox/memory.py).
 The Python-level guard (`python_guard`) also runs on top of namespace isolation unless turned off.
 docs/tasks.md states the guarantees of each level.
 """
@@ -49,15 +49,18 @@ from typing import Literal
 from sdpo_core.records import Verdict
 from sdpo_core.verifiers import code as code_verifier
 from sdpo_core.verifiers.code import EXEC_STATUSES, Execution, TestRunner, TestSuite
-from tasks.sandbox_memory import address_space_budget, memory_cgroup
+from tasks.sandbox.memory import address_space_budget, memory_cgroup
 
 __all__ = ["SandboxLimits", "namespace_isolation_available", "run_program", "runner", "verify_code"]
 
 logger = logging.getLogger(__name__)
 
 Isolation = Literal["auto", "namespace", "process"]
-_HARNESS = Path(__file__).with_name("sandbox_harness.py")
-_HARNESS_FILES = (_HARNESS, *(_HARNESS.with_name(f"sandbox_{name}.py") for name in ("guard", "codec", "runner")))
+# the harness and the modules it imports, as (file here, name inside the sandbox)
+_HARNESS_FILES = (
+    (Path(__file__).with_name("harness.py"), "harness.py"),
+    *((Path(__file__).with_name(f"{name}.py"), f"sandbox_{name}.py") for name in ("guard", "codec", "runner")),
+)
 _WORKDIR_IN_ROOT = "/sandbox"
 _UID_RANGE = (200_000, 260_000)  # unprivileged uids no account uses; a random one per run
 _STARTUP_GRACE_S = 5.0  # interpreter start before the first test; counts against total_s only
@@ -287,10 +290,9 @@ def _write_job(folder: Path, job: dict) -> None:
     harness with its modules."""
     (folder / "job.json").write_text(json.dumps(job), encoding="utf-8")
     os.chmod(folder / "job.json", 0o400)
-    for source in _HARNESS_FILES:
-        shutil.copyfile(source, folder / source.name)
-        os.chmod(folder / source.name, 0o444)
-    os.rename(folder / _HARNESS.name, folder / "harness.py")
+    for source, name in _HARNESS_FILES:
+        shutil.copyfile(source, folder / name)
+        os.chmod(folder / name, 0o444)
 
 
 def _namespace_command(

@@ -1,7 +1,7 @@
-"""The program that runs inside the code sandbox (see tasks/sandbox.py). Standard library only.
+"""The program that runs inside the code sandbox (see tasks/sandbox/program.py). Standard library only.
 
-`tasks.sandbox` copies this file into the sandbox, with sandbox_runner.py (the runner),
-sandbox_codec.py (plain values and the channel) and sandbox_guard.py (the audit hook) beside it,
+`tasks.sandbox.program` copies this file into the sandbox, with runner.py (the runner),
+codec.py (plain values and the channel) and guard.py (the audit hook) beside it as sandbox_runner.py, sandbox_codec.py and sandbox_guard.py,
 and starts it with `python -I -S -B`; it is never imported by the pipeline. Two phases:
 
 - `setup CONFIG_JSON` (namespace isolation only, run as root inside fresh network / mount / pid /

@@ -35,7 +35,7 @@ FORKED_AT_TAG = "sdpo.forked_from_iteration"
 STEP_MARKER = "tracking/step"  # logged last in each step's batch: the step is in MLflow
 CHANGES_TAG = "sdpo.config_changes"  # how many accepted config changes are recorded as tags
 _BATCH_LIMIT = 1000  # MLflow's limit on metrics per log_batch
-_SOURCE = Path(__file__).resolve().parents[1]  # the checkout (or installed tree) the code runs from
+_SOURCE = Path(__file__).resolve().parents[2]  # the checkout (or installed tree) the code runs from
 
 
 def source_tags() -> dict[str, str]:
@@ -229,7 +229,7 @@ def open_tracker(run: Any) -> Tracker:
     for a fork, its parent tagged."""
     from storage.fork import read_fork
     from storage.layout import read_config_changes
-    from tasks.tracking_assets import log_datasets
+    from tasks.tracking.assets import log_datasets
 
     layout = run.layout
     local_root = Path(layout.store.path(layout.root_url)) if layout.store.backend == "file" else None

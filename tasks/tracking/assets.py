@@ -40,7 +40,7 @@ def log_datasets(tracker: Any, run: Any) -> None:
     from mlflow.entities import DatasetInput, InputTag
     from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
 
-    from tasks.data import load_splits
+    from tasks.data.prompts import load_splits
 
     if not tracker.enabled or tracker.client.get_run(tracker.run_id).data.tags.get(DATASETS_TAG) == "1":
         return

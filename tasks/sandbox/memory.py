@@ -1,4 +1,4 @@
-"""One memory limit for a whole code sandbox (see tasks/sandbox.py).
+"""One memory limit for a whole code sandbox (see tasks/sandbox/program.py).
 
 Where this process may create memory cgroups (root with a writable cgroup v1 `memory` hierarchy
 or a cgroup v2 tree with the memory controller), every sandbox gets a cgroup of its own whose limit

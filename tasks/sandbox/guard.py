@@ -1,4 +1,4 @@
-"""The Python-level guard of the code sandbox's runner (see tasks/sandbox_harness.py). Standard
+"""The Python-level guard of the code sandbox's runner (see tasks/sandbox/harness.py). Standard
 library only: copied into the sandbox beside the harness and imported there as `sandbox_guard`."""
 
 import os

@@ -8,7 +8,7 @@ killed and scores 0 with feedback saying so; the next call starts a fresh worker
 can never stall a rollout. A malformed label still raises (`ValueError` from the verifier, as
 in-process), since that is a data error, not a verdict on the answer.
 
-The code verifier is not run here: it is bounded by its sandbox's `total_s` (tasks/sandbox.py).
+The code verifier is not run here: it is bounded by its sandbox's `total_s` (tasks/sandbox/program.py).
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ class BudgetedVerifier:
 
     def _start(self) -> None:
         self._process = subprocess.Popen(
-            [sys.executable, "-m", "tasks.verify_budget", self.name, json.dumps(self.kwargs)],
+            [sys.executable, "-m", "tasks.sandbox.budget", self.name, json.dumps(self.kwargs)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, encoding="utf-8",
         )
         if self._answer(_START_S) != ["ready", None]:

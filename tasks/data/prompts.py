@@ -16,7 +16,7 @@ Row = dict[str, Any]
 def load_splits(data: DataConfig, *, seed: int) -> tuple[list[Row], list[Row]]:
     """(train rows, eval rows) for the configured data source."""
     if data.source == "arithmetic":
-        from tasks.demo_data import make_splits
+        from tasks.data.demo import make_splits
 
         return make_splits(
             max_operand=data.max_operand,
@@ -24,10 +24,10 @@ def load_splits(data: DataConfig, *, seed: int) -> tuple[list[Row], list[Row]]:
             answer_width=data.answer_width,
             seed=seed,
         )
-    from tasks.data_schema import check_disjoint, read_checked
+    from tasks.data.schema import check_disjoint, read_checked
 
     assert data.path is not None  # DataConfig requires it for source=prepared
-    rows, places = read_checked(data.path)  # every row checked against the schema (tasks/data_schema.py)
+    rows, places = read_checked(data.path)  # every row checked against the schema (tasks/data/schema.py)
     eval_path = data.eval_path
     if eval_path:
         held_out, held_out_places = read_checked(eval_path)

@@ -1,5 +1,5 @@
 """The runner of the code sandbox: the only process that executes the program (see
-tasks/sandbox_harness.py, which forks it). Standard library only: copied into the sandbox beside
+tasks/sandbox/harness.py, which forks it). Standard library only: copied into the sandbox beside
 the harness and imported there as `sandbox_runner`.
 
 It serves the judge's requests over a private pipe pair, one at a time: `program` (compile),
