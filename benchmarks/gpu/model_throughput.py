@@ -1,6 +1,6 @@
 """Training and teacher-scoring throughput of the Megatron path on Qwen3 shapes (random init, bf16).
 
-Training runs the real `tasks.train.MegatronTrainer.train_iteration` (SDPA attention, chunked and
+Training runs the real `tasks.megatron.trainer.MegatronTrainer.train_iteration` (SDPA attention, chunked and
 compiled top-K loss, Megatron DDP and optimizer step) on synthetic teacher columns: each step is
 `--samples` sequences of `--seq` tokens (prompt 1/8, response 7/8), top-K = `--k`. Variants:
 padded micro-batches, and the same samples packed into one row; each with `train.fused_kernels`
@@ -74,7 +74,7 @@ def run_config(*, samples: int, micro_batch: int, train: dict, steps: int = 1) -
 
 
 def bench_train(shape: str, args: argparse.Namespace, workdir: Path) -> None:
-    from tasks.train import MegatronTrainer
+    from tasks.megatron.trainer import MegatronTrainer
 
     hf_config = qwen3_config(shape)
     hf_dir = workdir / shape

@@ -1,6 +1,6 @@
 """Where a training step's time goes: step time per fused-kernel setting, and a kernel profile.
 
-Builds `tasks.train.MegatronTrainer` on a Qwen3 shape (random init, bf16, SDPA, chunked compiled
+Builds `tasks.megatron.trainer.MegatronTrainer` on a Qwen3 shape (random init, bf16, SDPA, chunked compiled
 loss) twice: with `train.fused_kernels: false` (Megatron's fallbacks) and `true`. The second one's
 model-side fusions are Megatron config flags read at every forward, so they are switched one by
 one on the same model to attribute the gain (the others, fused AdamW, the device gradient norm,
@@ -133,7 +133,7 @@ def main() -> None:
         hf_dir = Path(tmp) / args.shape
         hf_config.save_pretrained(hf_dir)
         for fused, settings in plans.items():
-            from tasks.train import MegatronTrainer
+            from tasks.megatron.trainer import MegatronTrainer
 
             cfg = run_config(samples=args.samples * steps, micro_batch=args.samples, train={**base, "fused_kernels": fused},
                              steps=steps)

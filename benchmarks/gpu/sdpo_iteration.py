@@ -49,7 +49,7 @@ def main() -> None:
     from tasks.engines.embedded import EmbeddedEngine
     from tasks.engines.scorer import score_teacher
     from tasks.megatron.scorer import MegatronTeacherScorer
-    from tasks.train import MegatronTrainer
+    from tasks.megatron.trainer import MegatronTrainer
 
     hf_config = qwen3_config(args.shape)
     vocab = hf_config.vocab_size

@@ -158,7 +158,12 @@ def build_model(
     global torch RNG is left as it was.
     """
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
 
     if hidden % heads or heads % kv_heads:
         raise ValueError(f"need hidden % heads == 0 and heads % kv_heads == 0, got {hidden=}, {heads=}, {kv_heads=}")

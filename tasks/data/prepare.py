@@ -28,25 +28,28 @@ written whole and atomically through `storage/` at the end, so an error leaves n
 
 from __future__ import annotations
 
-import base64
-import gzip
-import hashlib
-import importlib.util
-import io
 import json
 import logging
-import pickle
 import random
 import re
-import zlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
-from pathlib import Path, PurePosixPath
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import PurePosixPath
 from typing import Any
 
-from storage.objects import ObjectStore
-from storage.retry import RetryPolicy
-from storage.urls import protocol, resolve
+from tasks.data.files import (
+    Malformed,
+    file_name,
+    read_prepared,
+    read_records,
+    resolve_input,
+    write_rows,
+)
+from tasks.data.formats import DATASETS
+from tasks.data.formats.bfcl import bfcl_answers
+from tasks.data.formats.common import MCQ_SYSTEM_PROMPT
+from tasks.data.formats.reasoning_gym import generated_records
+from tasks.data.formats.sciknoweval import SCIKNOWEVAL_DOMAINS
+from tasks.data.rows import BadRow, InvalidRowError, Row
 
 __all__ = [
     "DATASETS",
@@ -60,624 +63,10 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-Row = dict[str, Any]
 
-MCQ_SYSTEM_PROMPT = (
-    "Answer the multiple-choice question. Think it through inside <reasoning></reasoning>, then give "
-    "only the letter of the correct option inside <answer></answer>, for example:\n"
-    "<reasoning>\n...\n</reasoning>\n<answer>\nB\n</answer>"
-)
-MATH_INSTRUCTION = "Solve the problem step by step, then give the final answer inside \\boxed{}."
-CODE_INSTRUCTION = (
-    "You are an expert Python programmer. Solve the problem below in Python 3. Each test runs under a "
-    "time limit, so aim for an efficient solution. Give your complete program in a single ```python code "
-    "block."
-)
-TOOL_CALL_INSTRUCTION = (
-    "You can call the functions described below (JSON schemas). When the request needs function calls, "
-    'answer with the calls only, as a JSON list: [{"name": "<function>", "arguments": {...}}]. If no '
-    "function fits the request, say so in plain text and call nothing."
-)
-TOOLALPACA_INSTRUCTION = (
-    "You are given an API specification and a user request. Answer by calling the API's tools, each "
-    "call written as:\nThought: <your reasoning>\nAction: <tool name>\nAction Input: <JSON object>"
-)
-SCIKNOWEVAL_DOMAINS = ("biology", "chemistry", "material", "physics")
-SCIKNOWEVAL_TYPES = ("mcq-4-choices", "mcq-2-choices")
-LETTERS = "ABCDEFGHIJ"
 _ANY_SPLIT_OPTIONS = frozenset({"eval_output", "eval_ratio", "seed", "max_rows", "source_split"})
 
 
-class InvalidRowError(ValueError):
-    """A malformed input row; `where` is "file:line" (or "file: row k")."""
-
-    def __init__(self, where: str, reason: str) -> None:
-        super().__init__(f"{where}: {reason}")
-        self.where, self.reason = where, reason
-
-
-class _Bad(ValueError):
-    """Raised by a converter for a malformed row; the driver adds the location."""
-
-
-class _Malformed:
-    """A record that could not even be parsed (bad JSON line)."""
-
-    def __init__(self, reason: str) -> None:
-        self.reason = reason
-
-
-# -- reading --------------------------------------------------------------------------------------
-def _resolve_input(spec: str) -> str:
-    """`pkg:<module>/<relative>` -> the file inside the installed package; anything else unchanged."""
-    if not spec.startswith("pkg:"):
-        return spec
-    module, _, relative = spec[len("pkg:"):].partition("/")
-    found = importlib.util.find_spec(module)
-    if found is None or not found.submodule_search_locations:
-        raise FileNotFoundError(f"package {module!r} is not installed (needed for input {spec!r})")
-    return str(Path(list(found.submodule_search_locations)[0]) / relative)
-
-
-def _read_bytes(url: str, storage_options: Mapping[str, Any] | None) -> bytes:
-    fs, path = resolve(url, storage_options)
-    data = fs.cat_file(path)
-    return gzip.decompress(data) if url.endswith(".gz") else data
-
-
-def _name(url: str) -> str:
-    return PurePosixPath(url.split("://", 1)[-1]).name
-
-
-def _json_lines(data: bytes, name: str) -> Iterator[tuple[str, Any]]:
-    for number, line in enumerate(data.decode("utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            yield f"{name}:{number}", json.loads(line)
-        except json.JSONDecodeError as exc:
-            yield f"{name}:{number}", _Malformed(f"not valid JSON ({exc.msg} at column {exc.colno})")
-
-
-def _arrow_rows(data: bytes) -> list[Row]:
-    import pyarrow as pa
-
-    try:
-        table = pa.ipc.open_stream(pa.BufferReader(data)).read_all()  # HF save_to_disk files
-    except pa.ArrowInvalid:
-        table = pa.ipc.open_file(pa.BufferReader(data)).read_all()
-    return table.to_pylist()
-
-
-def read_records(url: str, *, storage_options: Mapping[str, Any] | None = None) -> Iterator[tuple[str, Any]]:
-    """(location, record) for every record of a JSON-lines, JSON, Parquet or Arrow file (optionally .gz).
-
-    A `.json` file holding several JSON documents, one per line, is read as JSON lines (the paper's
-    data files are). An Arrow input may be a folder: its `*.arrow` files are read in name order.
-    """
-    name = _name(url)
-    stem = name[:-3] if name.endswith(".gz") else name
-    fs, path = resolve(url, storage_options)
-    if fs.isdir(path):
-        files = sorted(p for p in fs.ls(path, detail=False) if p.endswith(".arrow"))
-        if not files:
-            raise FileNotFoundError(f"{url} is a folder without .arrow files")
-        for file in files:
-            for k, row in enumerate(_arrow_rows(fs.cat_file(file))):
-                yield f"{_name(file)}: row {k + 1}", row
-        return
-    data = _read_bytes(url, storage_options)
-    if stem.endswith(".jsonl"):
-        yield from _json_lines(data, name)
-    elif stem.endswith(".json"):
-        try:
-            value = json.loads(data)
-        except json.JSONDecodeError:
-            yield from _json_lines(data, name)
-            return
-        items = value if isinstance(value, list) else [value]
-        for k, item in enumerate(items):
-            yield f"{name}: item {k + 1}", item
-    elif stem.endswith(".parquet"):
-        import pyarrow.parquet as pq
-
-        for k, row in enumerate(pq.read_table(io.BytesIO(data)).to_pylist()):
-            yield f"{name}: row {k + 1}", row
-    elif stem.endswith(".arrow"):
-        for k, row in enumerate(_arrow_rows(data)):
-            yield f"{name}: row {k + 1}", row
-    else:
-        raise ValueError(
-            f"cannot tell the format of {url!r}: expected .jsonl, .json, .parquet or .arrow (optionally .gz)"
-        )
-
-
-# -- row helpers ----------------------------------------------------------------------------------
-def _field(row: Any, key: str, kind: type | tuple[type, ...] = str) -> Any:
-    if not isinstance(row, dict):
-        raise _Bad(f"expected a JSON object, got {type(row).__name__}")
-    if key not in row or row[key] is None:
-        raise _Bad(f"missing field {key!r}")
-    value = row[key]
-    if not isinstance(value, kind):
-        expected = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
-        raise _Bad(f"field {key!r} must be {expected}, got {type(value).__name__}")
-    return value
-
-
-def _text(value: str, key: str) -> str:
-    if not value.strip():
-        raise _Bad(f"field {key!r} is empty")
-    return value.strip()
-
-
-def _stable_id(prefix: str, *parts: Any) -> str:
-    digest = hashlib.sha1(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:12]
-    return f"{prefix}-{digest}"
-
-
-def _row(*, prompt_id: str, messages: list[dict], label: str, data_source: str, metadata: dict) -> Row:
-    return {
-        "prompt_id": prompt_id,
-        "prompt_messages": messages,
-        "label": label,
-        "data_source": data_source,
-        "metadata": metadata,
-    }
-
-
-def _mcq_user_text(question: str, options: Sequence[tuple[str, str]]) -> str:
-    """The paper's layout: question, blank line, one "A: text" line per option, the instruction."""
-    lines = "\n".join(f"{letter}: {text}" for letter, text in options)
-    return f"{question}\n\n{lines}\nPlease reason step by step."
-
-
-def _mcq_row(*, prompt_id: str, question: str, options: Sequence[tuple[str, str]], answer: str, data_source: str,
-             metadata: dict) -> Row:
-    letters = [letter for letter, _ in options]
-    if answer not in letters:
-        raise _Bad(f"answer {answer!r} is not one of the option letters {letters}")
-    messages = [
-        {"role": "system", "content": MCQ_SYSTEM_PROMPT},
-        {"role": "user", "content": _mcq_user_text(question, options)},
-    ]
-    return _row(prompt_id=prompt_id, messages=messages, label=answer, data_source=data_source,
-                metadata={**metadata, "num_choices": len(options)})
-
-
-# -- converters: each takes (record, index, options) and returns a row, or None to leave it out ---
-def _sciknoweval(record: Any, index: int, options: dict) -> Row | None:
-    if isinstance(record, dict) and isinstance(record.get("prompt"), str) and "answer" in record:
-        return _sciknoweval_flat(record, index, options)
-    return _sciknoweval_raw(record, index, options)
-
-
-def _sciknoweval_flat(record: Row, index: int, options: dict) -> Row:
-    prompt = _text(_field(record, "prompt"), "prompt")
-    answer = _text(_field(record, "answer"), "answer")
-    if answer not in LETTERS:
-        raise _Bad(f"answer must be an option letter, got {answer!r}")
-    system = (record.get("system") or "").strip()
-    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-    source_index = record.get("idx", index)
-    metadata = {"domain": options.get("domain"), "task_type": record.get("kind", "mcq"), "source_index": source_index}
-    return _row(prompt_id=f"sciknoweval-{options.get('domain') or 'all'}-{source_index}", messages=messages,
-                label=answer, data_source="sciknoweval", metadata=metadata)
-
-
-def _sciknoweval_raw(record: Any, index: int, options: dict) -> Row | None:
-    details = _field(record, "details", dict)
-    level = str(details.get("level", ""))
-    domain = str(_field(record, "domain")).strip()
-    task_type = str(_field(record, "type")).strip()
-    domains = {d.lower().rstrip("s") for d in options.get("domains", SCIKNOWEVAL_DOMAINS)}
-    if level.upper() not in {lv.upper() for lv in options.get("levels", ("L3",))}:
-        return None
-    if domain.lower().rstrip("s") not in domains or task_type not in options.get("types", SCIKNOWEVAL_TYPES):
-        return None
-    question = _text(_field(record, "question"), "question")
-    choices = _field(record, "choices", dict)
-    texts, labels = choices.get("text"), choices.get("label")
-    if not isinstance(texts, list) or not isinstance(labels, list) or len(texts) != len(labels) or not texts:
-        raise _Bad("choices must hold equal-length, non-empty 'text' and 'label' lists")
-    options_list = [(str(lab).strip(), str(txt).strip()) for lab, txt in zip(labels, texts, strict=True)]
-    answer = _text(_field(record, "answerKey"), "answerKey")
-    source_id = record.get("id", details.get("id", index))
-    metadata = {"domain": domain, "task_type": task_type, "level": level, "task": details.get("task"),
-                "subtask": details.get("subtask"), "source_index": source_id}
-    return _mcq_row(prompt_id=_stable_id("sciknoweval", domain, question, options_list), question=question,
-                    options=options_list, answer=answer, data_source="sciknoweval", metadata=metadata)
-
-
-def _steps_label(steps: Any) -> str:
-    """Canonical tool-step label: a JSON list of {"Action": name, "Action_Input": "<json object text>"}."""
-    if isinstance(steps, str):
-        try:
-            steps = json.loads(steps)
-        except json.JSONDecodeError as exc:
-            raise _Bad(f"the gold answer is not valid JSON ({exc.msg})") from None
-    if not isinstance(steps, list) or not steps:
-        raise _Bad("the gold answer must be a non-empty list of steps")
-    out = []
-    for k, step in enumerate(steps):
-        if not isinstance(step, dict) or not isinstance(step.get("Action"), str) or not step["Action"].strip():
-            raise _Bad(f"gold step {k + 1} needs a non-empty 'Action'")
-        raw = step.get("Action_Input", "")
-        if isinstance(raw, str):
-            try:
-                args = json.loads(raw) if raw.strip() else {}
-            except json.JSONDecodeError as exc:
-                raise _Bad(f"gold step {k + 1}: Action_Input is not valid JSON ({exc.msg})") from None
-        else:
-            args = raw if raw is not None else {}
-        if not isinstance(args, dict):
-            raise _Bad(f"gold step {k + 1}: Action_Input must be a JSON object")
-        out.append({"Action": step["Action"].strip(), "Action_Input": json.dumps(args, ensure_ascii=False)})
-    return json.dumps(out, ensure_ascii=False)
-
-
-def _tooluse(record: Any, index: int, options: dict) -> Row:
-    prompt = _text(_field(record, "prompt"), "prompt")
-    label = _steps_label(_field(record, "answer", (str, list)))
-    system = (record.get("system") or "").strip()
-    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-    source_index = record.get("idx", index)
-    return _row(prompt_id=f"tooluse-{source_index}", messages=messages, label=label, data_source="tooluse",
-                metadata={"source_index": source_index, "task_type": record.get("kind", "tooluse")})
-
-
-def _toolalpaca(record: Any, index: int, options: dict) -> Row:
-    name = _text(_field(record, "name"), "name")
-    documentation = _text(_field(record, "nl_documentation"), "nl_documentation")
-    instruction = _text(_field(record, "instruction"), "instruction")
-    description = str(record.get("description") or "").strip()
-    label = _steps_label(_field(record, "golden_answer", (str, list)))
-    user = (
-        f"{TOOLALPACA_INSTRUCTION}\n\nTool name: {name}\nTool description: {description}\n"
-        f"Tool documentation:\n{documentation}\n\nUser request:\n{instruction}"
-    )
-    return _row(prompt_id=_stable_id("toolalpaca", name, instruction), messages=[{"role": "user", "content": user}],
-                label=label, data_source="toolalpaca", metadata={"tool": name, "source_index": index})
-
-
-class _NoGlobalsUnpickler(pickle.Unpickler):
-    """LiveCodeBench pickles a plain str; refusing every global makes loading it safe."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        raise pickle.UnpicklingError(f"refusing to load {module}.{name} from a test-case payload")
-
-
-def _lcb_cases(payload: Any, key: str) -> list[dict]:
-    if isinstance(payload, list):
-        return payload
-    if not isinstance(payload, str):
-        raise _Bad(f"{key} must be a JSON list or text")
-    text = payload.strip()
-    if not text:
-        return []
-    if text[0] != "[":  # base64(zlib(pickle(json text))) as code_generation_lite stores private tests
-        try:
-            raw = _NoGlobalsUnpickler(io.BytesIO(zlib.decompress(base64.b64decode(text, validate=True)))).load()
-        except (ValueError, zlib.error, pickle.UnpicklingError, EOFError) as exc:
-            raise _Bad(f"{key} is neither JSON nor the compressed form ({type(exc).__name__}: {exc})") from None
-        if not isinstance(raw, str):
-            raise _Bad(f"{key} decoded to a {type(raw).__name__}, expected JSON text")
-        text = raw
-    try:
-        cases = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise _Bad(f"{key} is not valid JSON ({exc.msg})") from None
-    if not isinstance(cases, list):
-        raise _Bad(f"{key} must be a list of test cases")
-    return cases
-
-
-def _half_of_tests(
-    inputs: list[str], outputs: list[str], *, seed: int, key: str, fraction: float
-) -> tuple[list[str], list[str]]:
-    """A seeded random `fraction` of one problem's tests (at least one), in their original order.
-
-    Seeded per problem (seed, question id), so the subset does not depend on row order or filters.
-    """
-    n = len(inputs)
-    keep = sorted(random.Random(f"{seed}:{key}").sample(range(n), max(1, round(n * fraction))))
-    return [inputs[i] for i in keep], [outputs[i] for i in keep]
-
-
-def _livecodebench(record: Any, index: int, options: dict) -> Row:
-    from sdpo_core.verifiers.code import TestSuite, suite_to_label
-
-    if isinstance(record, dict) and "tests" in record and ("problem" in record or "prompt" in record):
-        problem = _text(_field(record, "problem" if "problem" in record else "prompt"), "problem")
-        tests = _field(record, "tests", (str, dict))
-        tests = json.loads(tests) if isinstance(tests, str) else tests
-        testtype, fn_name = tests.get("testtype"), tests.get("fn_name") or None
-        inputs, outputs = list(tests.get("inputs") or []), list(tests.get("outputs") or [])
-        source_id = str(record.get("question_id", record.get("idx", index)))
-        starter = ""
-    else:
-        problem = _text(_field(record, "question_content"), "question_content")
-        source_id = str(_field(record, "question_id", (str, int)))
-        starter = str(record.get("starter_code") or "").strip()
-        meta = record.get("metadata") or "{}"
-        meta = json.loads(meta) if isinstance(meta, str) else meta
-        fn_name = (meta or {}).get("func_name") or None
-        cases = _lcb_cases(record.get("private_test_cases") or "[]", "private_test_cases")
-        if options.get("include_public", False) or not cases:
-            cases = _lcb_cases(record.get("public_test_cases") or "[]", "public_test_cases") + cases
-        if not cases:
-            raise _Bad("the problem has no test cases")
-        kinds = {c.get("testtype") for c in cases if isinstance(c, dict)}
-        if len(kinds) != 1 or not all(isinstance(c, dict) and "input" in c and "output" in c for c in cases):
-            raise _Bad(f"test cases must be objects with input, output and one shared testtype, got types {kinds}")
-        testtype = kinds.pop()
-        inputs, outputs = [str(c["input"]) for c in cases], [str(c["output"]) for c in cases]
-    if testtype not in ("stdin", "functional"):
-        raise _Bad(f"testtype must be stdin or functional, got {testtype!r}")
-    if not inputs or len(inputs) != len(outputs):
-        raise _Bad(f"need as many outputs as inputs (got {len(inputs)} / {len(outputs)})")
-    if options["_split"] == "train":
-        inputs, outputs = _half_of_tests(inputs, outputs, seed=options.get("test_seed", 0), key=source_id,
-                                         fraction=options.get("train_test_fraction", 0.5))
-    try:
-        suite = TestSuite(testtype=testtype, inputs=inputs, outputs=outputs, fn_name=fn_name,
-                          time_limit=float(options.get("time_limit", 6.0)))
-    except (TypeError, ValueError) as exc:
-        raise _Bad(str(exc)) from None
-    text = f"{CODE_INSTRUCTION}\n\n### Problem\n{problem}"
-    if testtype == "stdin":
-        text += "\n\nRead the input from standard input and print the answer to standard output."
-    if starter:
-        text += f"\n\nStart from this code (keep the class and method names):\n```python\n{starter}\n```"
-    metadata = {"question_id": source_id, "platform": record.get("platform"), "difficulty": record.get("difficulty"),
-                "contest_date": str(record.get("contest_date")) if record.get("contest_date") else None,
-                "num_tests": len(inputs), "split": options["_split"]}
-    return _row(prompt_id=f"livecodebench-{source_id}", messages=[{"role": "user", "content": text}],
-                label=suite_to_label(suite), data_source="livecodebench", metadata=metadata)
-
-
-def _humaneval(record: Any, index: int, options: dict) -> Row:
-    from sdpo_core.verifiers.code import TestSuite, suite_to_label
-
-    task_id = _text(_field(record, "task_id"), "task_id")
-    prompt = _text(_field(record, "prompt"), "prompt")
-    entry_point = _text(_field(record, "entry_point"), "entry_point")
-    test = _text(_field(record, "test"), "test")
-    suite = TestSuite(testtype="assert", inputs=[f"check({entry_point})"], setup=test,
-                      time_limit=float(options.get("time_limit", 6.0)))
-    text = (
-        f"{CODE_INSTRUCTION}\n\nComplete the function `{entry_point}`. Give the whole function, with any "
-        f"imports it needs.\n\n```python\n{prompt}```"
-    )
-    return _row(prompt_id=f"humaneval-{task_id.replace('/', '-')}", messages=[{"role": "user", "content": text}],
-                label=suite_to_label(suite), data_source="humaneval", metadata={"task_id": task_id})
-
-
-def _mbpp(record: Any, index: int, options: dict) -> Row:
-    from sdpo_core.verifiers.code import TestSuite, suite_to_label
-
-    doc = record["doc"] if isinstance(record, dict) and isinstance(record.get("doc"), dict) else record
-    task_id = _field(doc, "task_id", (int, str))
-    text = _text(_field(doc, "text"), "text")
-    tests = _field(doc, "test_list", list)
-    if not tests or not all(isinstance(t, str) and t.strip() for t in tests):
-        raise _Bad("test_list must be a non-empty list of assert statements")
-    suite = TestSuite(testtype="assert", inputs=tests, setup=str(doc.get("test_setup_code") or ""),
-                      time_limit=float(options.get("time_limit", 6.0)))
-    user = f"{CODE_INSTRUCTION}\n\n{text}\nYour code must pass tests like this one:\n```python\n{tests[0]}\n```"
-    return _row(prompt_id=f"mbpp-{task_id}", messages=[{"role": "user", "content": user}],
-                label=suite_to_label(suite), data_source="mbpp", metadata={"task_id": task_id})
-
-
-def _gsm8k(record: Any, index: int, options: dict) -> Row:
-    doc = record["doc"] if isinstance(record, dict) and isinstance(record.get("doc"), dict) else record
-    question = _text(_field(doc, "question"), "question")
-    short = doc.get("short_answer")
-    if short is None:
-        solution = _field(doc, "answer")
-        if "####" not in solution:
-            raise _Bad("answer has no '####' final answer and there is no short_answer")
-        short = solution.rsplit("####", 1)[1]
-    answer = str(short).strip().replace(",", "")
-    if not answer:
-        raise _Bad("the final answer is empty")
-    user = f"{question}\n\n{MATH_INSTRUCTION}"
-    doc_id = record.get("doc_id", index) if isinstance(record, dict) else index
-    return _row(prompt_id=_stable_id("gsm8k", question), messages=[{"role": "user", "content": user}], label=answer,
-                data_source="gsm8k", metadata={"doc_id": doc_id})
-
-
-def _letter(label: Any, position_labels: Sequence[str]) -> str:
-    text = str(label).strip()
-    if text in position_labels:
-        return LETTERS[list(position_labels).index(text)]
-    raise _Bad(f"answer {label!r} is not one of the option labels {list(position_labels)}")
-
-
-def _arc(record: Any, index: int, options: dict) -> Row:
-    question = _text(_field(record, "question"), "question")
-    choices = _field(record, "choices", dict)
-    texts, labels = choices.get("text"), choices.get("label")
-    if not isinstance(texts, list) or not isinstance(labels, list) or len(texts) != len(labels) or not texts:
-        raise _Bad("choices must hold equal-length, non-empty 'text' and 'label' lists")
-    answer = _letter(_field(record, "answerKey"), [str(x).strip() for x in labels])  # ARC uses A-E or 1-4
-    opts = [(LETTERS[k], str(t).strip()) for k, t in enumerate(texts)]
-    source_id = str(record.get("id", index))
-    return _mcq_row(prompt_id=f"arc-{source_id}", question=question, options=opts, answer=answer, data_source="arc",
-                    metadata={"source_id": source_id})
-
-
-def _mmlu(record: Any, index: int, options: dict) -> Row:
-    question = _text(_field(record, "question"), "question")
-    choices = _field(record, "choices", list)
-    answer = _field(record, "answer", int)
-    if not 0 <= answer < len(choices):
-        raise _Bad(f"answer index {answer} is out of range for {len(choices)} choices")
-    opts = [(LETTERS[k], str(t).strip()) for k, t in enumerate(choices)]
-    subject = str(record.get("subject") or options.get("subject") or "")
-    return _mcq_row(prompt_id=_stable_id("mmlu", subject, question, choices), question=question, options=opts,
-                    answer=LETTERS[answer], data_source="mmlu", metadata={"subject": subject})
-
-
-def _sciq(record: Any, index: int, options: dict) -> Row:
-    question = _text(_field(record, "question"), "question")
-    correct = _text(_field(record, "correct_answer"), "correct_answer")
-    distractors = [_text(_field(record, f"distractor{k}"), f"distractor{k}") for k in (1, 2, 3)]
-    texts = [correct, *distractors]
-    # The correct answer comes first in the source: place it at a seeded, per-question position.
-    random.Random(f"{options.get('seed', 42)}:{question}").shuffle(texts)
-    opts = [(LETTERS[k], t) for k, t in enumerate(texts)]
-    return _mcq_row(prompt_id=_stable_id("sciq", question), question=question, options=opts,
-                    answer=LETTERS[texts.index(correct)], data_source="sciq", metadata={})
-
-
-def _bfcl(record: Any, index: int, options: dict) -> Row | None:
-    entry_id = _text(_field(record, "id"), "id")
-    turns = _field(record, "question", list)
-    functions = _field(record, "function", list)
-    if len(turns) != 1:
-        return None  # multi-turn entries need an environment to run the calls; not supported
-    turn = turns[0]
-    if not isinstance(turn, list) or not all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in turn):
-        raise _Bad("question[0] must be a list of {role, content} messages")
-    answers: dict[str, list] = options["_answers"]
-    if entry_id in answers:
-        ground_truth = answers[entry_id]
-    elif options["_no_call"]:
-        ground_truth = []
-    else:
-        raise _Bad(f"no ground truth for id {entry_id!r} in the answers file")
-    system = f"{TOOL_CALL_INSTRUCTION}\n\nFunctions:\n{json.dumps(functions, ensure_ascii=False)}"
-    extra_system = [m["content"] for m in turn if m.get("role") == "system"]
-    if extra_system:
-        system += "\n\n" + "\n\n".join(extra_system)
-    messages = [{"role": "system", "content": system}] + [
-        {"role": str(m["role"]), "content": m["content"]} for m in turn if m.get("role") != "system"
-    ]
-    label = json.dumps({"ground_truth": ground_truth, "functions": functions}, ensure_ascii=False)
-    return _row(prompt_id=f"bfcl-{entry_id}", messages=messages, label=label, data_source="bfcl",
-                metadata={"id": entry_id, "num_calls": len(ground_truth)})
-
-
-def _reasoning_gym(record: Any, index: int, options: dict) -> Row:
-    question = _text(_field(record, "question"), "question")
-    answer = _field(record, "answer", (str, int, float))
-    generator = options["_generator"]
-    user = f"{question}\n\n{MATH_INSTRUCTION}"
-    return _row(prompt_id=f"reasoning_gym-{generator}-{options.get('seed', 42)}-{index}",
-                messages=[{"role": "user", "content": user}], label=str(answer).strip(),
-                data_source=f"reasoning_gym/{generator}", metadata={"generator": generator})
-
-
-@dataclass(frozen=True)
-class _Dataset:
-    convert: Callable[[Any, int, dict], Row | None]
-    options: frozenset[str] = frozenset()
-
-
-DATASETS: dict[str, _Dataset] = {
-    "sciknoweval": _Dataset(_sciknoweval, frozenset({"domain", "domains", "levels", "types"})),
-    "tooluse": _Dataset(_tooluse),
-    "toolalpaca": _Dataset(_toolalpaca),
-    "livecodebench": _Dataset(
-        _livecodebench, frozenset({"include_public", "test_seed", "train_test_fraction", "time_limit"})
-    ),
-    "humaneval": _Dataset(_humaneval, frozenset({"time_limit"})),
-    "mbpp": _Dataset(_mbpp, frozenset({"time_limit"})),
-    "gsm8k": _Dataset(_gsm8k),
-    "arc": _Dataset(_arc),
-    "mmlu": _Dataset(_mmlu, frozenset({"subject"})),
-    "sciq": _Dataset(_sciq),
-    "bfcl": _Dataset(_bfcl, frozenset({"answers", "no_call"})),
-    "reasoning_gym": _Dataset(_reasoning_gym, frozenset({"size"})),
-}
-"""Data set name -> converter; `options` are the dataset-specific keyword options `prepare` accepts."""
-
-
-def _bfcl_answers(source: str, options: dict, storage_options: Mapping[str, Any] | None) -> dict[str, list]:
-    """id -> ground truth, from `options["answers"]` or, for a local input, bfcl-eval's layout
-    (`possible_answer/<same file name>` next to the question file); {} when there is none."""
-    answers = options.get("answers")
-    if answers is None:
-        if protocol(source) != "file":
-            return {}
-        local = Path(source.removeprefix("file://"))
-        sibling = local.parent / "possible_answer" / local.name
-        if not sibling.exists():
-            return {}
-        answers = str(sibling)
-    out: dict[str, list] = {}
-    for where, record in read_records(_resolve_input(answers), storage_options=storage_options):
-        if isinstance(record, _Malformed):
-            raise InvalidRowError(where, record.reason)
-        if not isinstance(record, dict) or "id" not in record or not isinstance(record.get("ground_truth"), list):
-            raise InvalidRowError(where, "expected {id, ground_truth: [...]}")
-        out[str(record["id"])] = record["ground_truth"]
-    return out
-
-
-def _generated_records(generator: str, *, size: int, seed: int) -> Iterator[tuple[str, Any]]:
-    """Records from reasoning-gym (imported here: its dependencies are small pure-Python packages)."""
-    import reasoning_gym
-
-    data = reasoning_gym.create_dataset(generator, size=size, seed=seed)
-    for k in range(size):
-        yield f"{generator}: item {k + 1}", data[k]
-
-
-# -- writing --------------------------------------------------------------------------------------
-def _encode(rows: list[Row], url: str) -> bytes:
-    if _name(url).endswith(".parquet"):
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
-        message = pa.struct(
-            [pa.field("role", pa.string(), nullable=False), pa.field("content", pa.string(), nullable=False)]
-        )
-        schema = pa.schema([
-            pa.field("prompt_id", pa.string(), nullable=False),
-            pa.field("prompt_messages", pa.list_(pa.field("element", message, nullable=False)), nullable=False),
-            pa.field("label", pa.string(), nullable=False),
-            pa.field("data_source", pa.string(), nullable=False),
-            pa.field("metadata", pa.string(), nullable=False, metadata={"encoding": "json"}),
-        ])
-        table = pa.Table.from_pylist(
-            [{**r, "prompt_messages": [{"role": m["role"], "content": m["content"]} for m in r["prompt_messages"]],
-              "metadata": json.dumps(r["metadata"], ensure_ascii=False, sort_keys=True)} for r in rows],
-            schema=schema,
-        )
-        sink = io.BytesIO()
-        pq.write_table(table, sink, compression="zstd")
-        return sink.getvalue()
-    if not _name(url).endswith(".jsonl"):
-        raise ValueError(f"output {url!r} must end in .jsonl or .parquet")
-    return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode("utf-8")
-
-
-def _write(rows: list[Row], url: str, storage_options: Mapping[str, Any] | None) -> None:
-    data = _encode(rows, url)
-    ObjectStore(url, storage_options=storage_options, retry=RetryPolicy()).write_bytes(url, data)
-
-
-def read_parsed_records(url: str, *, storage_options: Mapping[str, Any] | None = None) -> Iterator[tuple[str, Any]]:
-    """`read_records`, raising InvalidRowError for a record that is not valid JSON."""
-    for where, record in read_records(url, storage_options=storage_options):
-        if isinstance(record, _Malformed):
-            raise InvalidRowError(where, record.reason)
-        yield where, record
-
-
-def read_prepared(url: str, *, storage_options: Mapping[str, Any] | None = None) -> list[Row]:
-    """The rows of a prepared data set (JSONL or Parquet), metadata decoded to dicts."""
-    rows = []
-    for _, record in read_parsed_records(url, storage_options=storage_options):
-        if isinstance(record.get("metadata"), str):
-            record["metadata"] = json.loads(record["metadata"])
-        rows.append(record)
-    return rows
-
-
-# -- driver ---------------------------------------------------------------------------------------
 def _check_options(dataset: str, options: Mapping[str, Any]) -> None:
     allowed = DATASETS[dataset].options | _ANY_SPLIT_OPTIONS
     unknown = sorted(set(options) - allowed)
@@ -703,12 +92,12 @@ def _convert_all(dataset: str, records: Iterator[tuple[str, Any]], options: dict
                 continue
             seen_docs.add(record["doc_id"])
         try:
-            if isinstance(record, _Malformed):
-                raise _Bad(record.reason)
+            if isinstance(record, Malformed):
+                raise BadRow(record.reason)
             row = convert(record, index, options)
             if row is not None and row["prompt_id"] in seen:
-                raise _Bad(f"duplicate prompt_id {row['prompt_id']!r} (first at {seen[row['prompt_id']]})")
-        except _Bad as exc:
+                raise BadRow(f"duplicate prompt_id {row['prompt_id']!r} (first at {seen[row['prompt_id']]})")
+        except BadRow as exc:
             if not skip_invalid:
                 raise InvalidRowError(where, str(exc)) from None
             stats["skipped"] += 1
@@ -756,7 +145,7 @@ def prepare(
     if not 0.0 <= eval_ratio < 1.0:
         raise ValueError(f"eval_ratio must be in [0, 1), got {eval_ratio}")
     for url in filter(None, (output, eval_output)):
-        if not _name(url).endswith((".jsonl", ".parquet")):
+        if not file_name(url).endswith((".jsonl", ".parquet")):
             raise ValueError(f"output {url!r} must end in .jsonl or .parquet")
 
     options = dict(options)
@@ -765,15 +154,15 @@ def prepare(
     if dataset == "reasoning_gym":
         size = int(options.get("size", 1000))
         options["_generator"] = input
-        records: Iterator[tuple[str, Any]] = _generated_records(input, size=size, seed=seed)
+        records: Iterator[tuple[str, Any]] = generated_records(input, size=size, seed=seed)
     else:
-        source = _resolve_input(input)
+        source = resolve_input(input)
         if dataset == "sciknoweval" and "domain" not in options:
             parent = PurePosixPath(source.split("://", 1)[-1]).parent.name.lower()
             options["domain"] = parent if parent.rstrip("s") in {d.rstrip("s") for d in SCIKNOWEVAL_DOMAINS} else None
         if dataset == "bfcl":
-            options["_answers"] = _bfcl_answers(source, options, storage_options)
-            options["_no_call"] = bool(options.get("no_call", "irrelevance" in _name(source)))
+            options["_answers"] = bfcl_answers(source, options, storage_options)
+            options["_no_call"] = bool(options.get("no_call", "irrelevance" in file_name(source)))
         records = read_records(source, storage_options=storage_options)
 
     if dataset == "livecodebench":
@@ -801,7 +190,7 @@ def prepare(
             raise ValueError(f"no rows to write to {url} (read {stats['rows_read']}, filtered {stats['filtered']}, "
                              f"skipped {stats['skipped']})")
     for url, rows_out in outputs:
-        _write(rows_out, url, storage_options)
+        write_rows(rows_out, url, storage_options)
     stats["rows_written"] = len(outputs[0][1])
     if eval_output:
         stats["eval_output"], stats["eval_rows_written"] = eval_output, len(outputs[1][1])

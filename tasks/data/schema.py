@@ -14,7 +14,8 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from tasks.data.prepare import InvalidRowError, read_parsed_records
+from tasks.data.files import read_parsed_records
+from tasks.data.rows import InvalidRowError
 
 __all__ = ["check_disjoint", "read_checked"]
 

@@ -21,9 +21,10 @@ ALL_SUBPROCESS = {stage: {"launcher": "subprocess"} for stage in ("rollout", "te
 def _run(tmp_path: Path, name: str, base: dict, **sections) -> object:
     from flows.run import sdpo_run
     from storage.layout import RunLayout
-    from tasks import rollout, train
+    from tasks import rollout
+    from tasks.megatron import resume
 
-    train._TRAINERS.clear()
+    resume._TRAINERS.clear()
     rollout._ENGINES.clear()
     folder = tmp_path / name
     sdpo_run(str(write_config(folder, "placed", root=str(folder / "runs"), base=base, **sections)), [])

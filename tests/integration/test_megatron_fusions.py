@@ -182,7 +182,7 @@ def one_step(hf, columns, *, fused_adamw: bool, foreach_norm: bool, monkeypatch)
     import megatron.core.optimizer.clip_grads as clip_grads
 
     from tasks.config import build_config
-    from tasks.train import MegatronTrainer
+    from tasks.megatron.trainer import MegatronTrainer
 
     cfg = build_config(
         {
@@ -218,7 +218,7 @@ def test_fused_adamw_and_the_foreach_norm_give_the_same_clipped_steps(trainer_in
 def test_use_fused_adamw_refuses_an_optimizer_that_has_stepped(trainer_inputs, monkeypatch):
     hf, columns = trainer_inputs
     from tasks.config import build_config
-    from tasks.train import MegatronTrainer
+    from tasks.megatron.trainer import MegatronTrainer
 
     cfg = build_config({"iterations": 1, "data": {"prompts_per_iteration": 4}, "rollout": {"group_size": 4}})
     trainer = MegatronTrainer(cfg, hf)

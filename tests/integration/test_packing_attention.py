@@ -152,7 +152,7 @@ def trainer_setup(tmp_path_factory):
 
 def train_in_process(hf, columns, train: dict) -> tuple[dict, dict]:
     from tasks.config import build_config
-    from tasks.train import MegatronTrainer
+    from tasks.megatron.trainer import MegatronTrainer
 
     cfg = build_config(
         {

@@ -15,7 +15,7 @@ def main() -> None:
     import torch.distributed as dist
 
     from tasks.config import build_config
-    from tasks.train import MegatronTrainer
+    from tasks.megatron.trainer import MegatronTrainer
 
     hf_dir, columns_path, out_dir, tp = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4])
     columns = pickle.loads(columns_path.read_bytes())

@@ -17,7 +17,7 @@ def main() -> None:
     import torch.distributed as dist
 
     from tasks.config import build_config
-    from tasks.train import MegatronTrainer
+    from tasks.megatron.trainer import MegatronTrainer
 
     hf_dir, columns_path, out_dir = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
     overrides = json.loads(sys.argv[4])

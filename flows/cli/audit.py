@@ -1,0 +1,214 @@
+"""Commands that look at runs and look after them: `sdpo lineage`, `fork`, `status`, `verify`, `gc`, `view`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from flows.cli.app import (
+    OverridesArg,
+    app,
+    fail,
+    setup_logging,
+)
+
+
+@app.command()
+def lineage(
+    run_name: Annotated[str, typer.Argument(help="run name")],
+    root: Annotated[str, typer.Option(help="run root (path or URL)")] = "runs",
+) -> None:
+    """Print the checkpoint chain of a run: each checkpoint, its parent and the shards it was trained on
+    (and, for a fork, the run and iteration it started from)."""
+    from storage.checkpoints import format_lineage
+    from storage.checkpoints import lineage as read_lineage
+    from storage.fork import read_fork
+    from storage.layout import RunLayout
+
+    layout = RunLayout(root, run_name)
+    fork = read_fork(layout)
+    title = None
+    if fork is not None:
+        title = f"{run_name}: forked from {fork['parent_run_url']} at iteration {fork['iteration']} (iteration manifest {fork['iteration_manifest_sha256'][:12]})"
+    typer.echo(format_lineage(read_lineage(layout), title=title))
+
+
+@app.command()
+def fork(
+    run_name: Annotated[str, typer.Argument(help="the run to fork")],
+    from_iteration: Annotated[int, typer.Option("--from-iteration", help="committed iteration of RUN to start from")],
+    name: Annotated[str, typer.Option("--name", help="name of the new run")],
+    overrides: OverridesArg = None,
+    root: Annotated[str, typer.Option(help="run root of RUN (path or URL)")] = "runs",
+    config_out: Annotated[
+        Optional[Path], typer.Option(help="where to write the new run's config (default: NAME.yaml)")
+    ] = None,
+) -> None:
+    """Start a new run from a committed iteration of another: its checkpoints (policy, teacher,
+    optimizer state), data cursor and history, with the parent recorded in the fork's lineage and
+    MLflow run. Without overrides the fork's next iteration is the parent's, bit for bit."""
+    import yaml
+
+    from storage.fork import fork_run
+    from storage.layout import RunLayout, read_run
+    from storage.lock import RunLock
+    from tasks.config import ConfigError, apply_overrides, build_config, to_dict
+
+    parent = RunLayout(root, run_name)
+    if not parent.store.exists(parent.run_json):
+        fail(f"no run {run_name!r} under {parent.root_url} (no {parent.run_json})")
+    out = config_out or Path(f"{name}.yaml")
+    if out.exists():
+        fail(f"{out} exists; pass --config-out to write the fork's config elsewhere")
+    tree = read_run(parent)["config"]
+    tree["name"] = name
+    try:
+        cfg = build_config(apply_overrides(tree, list(overrides or [])))
+    except ConfigError as err:
+        fail(str(err))
+    from tasks.runtime import run_layout
+
+    child = run_layout(cfg)
+    try:
+        with RunLock(child, lease_seconds=cfg.storage.lock_lease_seconds):
+            fork_run(parent, child, iteration=from_iteration, config=to_dict(cfg))
+    except (ValueError, FileExistsError) as err:
+        fail(str(err))
+    out.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    typer.echo(f"run {child.run_url}: forked from {parent.run_url} at iteration {from_iteration}; config in {out}")
+    typer.echo(f"continue it with: sdpo run {out}")
+
+
+@app.command()
+def status(
+    run_name: Annotated[str, typer.Argument(help="run name")],
+    root: Annotated[str, typer.Option(help="run root (path or URL)")] = "runs",
+) -> None:
+    """Print where a run stands: LATEST (its digest checked), the target, the lock holder, the next
+    iteration's committed stages, and whether it is complete, in progress or stopped (at which stage)."""
+    from flows.progress import stage_under_way
+    from storage.errors import StorageError
+    from storage.layout import RunLayout, read_run
+    from storage.lock import read_lock_holder
+    from storage.manifest import stage_done, verify_latest
+
+    layout = RunLayout(root, run_name)
+    if not layout.store.exists(layout.run_json):
+        fail(f"no run {run_name!r} under {layout.root_url} (no {layout.run_json})")
+    target = int(read_run(layout)["config"]["iterations"])
+    try:
+        latest = verify_latest(layout) or 0
+    except StorageError as err:
+        fail(f"run {layout.run_url}: LATEST does not check out: {err}")
+    holder = read_lock_holder(layout)
+    typer.echo(f"run {layout.run_url}: LATEST = {latest} of {target} iterations (digest verified)")
+    if holder is None:
+        typer.echo("lock: free")
+    else:
+        stale = holder.stale_reason()
+        typer.echo(f"lock: held by {holder.describe()}" + (f" (stale: {stale})" if stale else ""))
+    if latest >= target:
+        typer.echo("complete")
+        return
+    n = latest + 1
+    done = [stage for stage in ("rollout", "teacher", "train") if stage_done(layout, n, stage)]
+    typer.echo(f"iteration {n}: committed stages: {', '.join(done) or 'none'}")
+    at = stage_under_way(layout, latest, target)
+    if holder is not None and holder.stale_reason() is None:
+        typer.echo(f"in progress: iteration {n}, {at} under way")
+    else:
+        typer.echo(f"stopped in iteration {n} at {at}; the next run or tick resumes there")
+
+
+@app.command()
+def verify(
+    run_name: Annotated[str, typer.Argument(help="run name")],
+    root: Annotated[str, typer.Option(help="run root (path or URL)")] = "runs",
+) -> None:
+    """Re-hash every committed shard, checkpoint file and manifest of a run against the manifests
+    (and LATEST against its iteration manifest); exits 1 when anything is damaged or missing."""
+    from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
+
+    from storage.layout import RunLayout
+    from storage.verify import committed_bytes, verify_run
+
+    layout = RunLayout(root, run_name)
+    columns = ("{task.description}", BarColumn(), DownloadColumn(), TimeRemainingColumn())
+    with Progress(*columns, transient=True) as bar:
+        task = bar.add_task(f"verifying {run_name}", total=committed_bytes(layout))
+        report = verify_run(layout, progress=lambda n: bar.advance(task, n))
+    typer.echo(
+        f"run {layout.run_url}: {report.manifests} manifests, {report.files} files, "
+        f"{report.bytes / 2**20:.1f} MiB checked"
+    )
+    if report.uncommitted:
+        typer.echo(f"{len(report.uncommitted)} folder(s) without a manifest (an interrupted attempt; not part of the run):")
+        for folder in report.uncommitted:
+            typer.echo(f"  {folder}")
+    if report.ok:
+        typer.echo("OK: everything committed matches its manifests")
+        return
+    typer.secho(f"{len(report.problems)} problem(s):", fg=typer.colors.RED, err=True)
+    for url, what in report.problems:
+        typer.secho(f"  {url}: {what}", fg=typer.colors.RED, err=True)
+    raise typer.Exit(1)
+
+
+@app.command()
+def gc(
+    run_name: Annotated[str, typer.Argument(help="run name")],
+    root: Annotated[str, typer.Option(help="run root (path or URL)")] = "runs",
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="print the plan, delete nothing")] = False,
+) -> None:
+    """Apply the run's checkpoint retention (storage.retention): keep what it says and what a resume
+    needs, remove the files of the rest (manifests stay, so lineage and verify still check them)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from storage.lock import RunLock
+    from tasks.runtime import apply_retention, open_run
+
+    run = open_run(root, run_name)
+    if dry_run:
+        decisions = apply_retention(run, dry_run=True)
+    else:
+        with RunLock(run.layout, lease_seconds=run.cfg.storage.lock_lease_seconds):
+            decisions = apply_retention(run)
+    table = Table(title=f"retention of {run.layout.run_url}" + (" (dry run)" if dry_run else ""))
+    for column in ("iteration", "kind", "MiB", "decision", "why"):
+        table.add_column(column)
+    for d in decisions:
+        table.add_row(str(d.iteration), d.kind, f"{d.bytes / 2**20:.1f}", "keep" if d.keep else "prune", d.reason)
+    console = Console()
+    console.print(table)
+    freed = sum(d.bytes for d in decisions if not d.keep)
+    console.print(f"{'would free' if dry_run else 'freed'} {freed / 2**20:.1f} MiB")
+
+
+@app.command()
+def view(
+    run_name: Annotated[str, typer.Argument(help="run name")],
+    root: Annotated[str, typer.Option(help="run root (path or URL, e.g. s3://bucket/runs)")] = "runs",
+    port: Annotated[int, typer.Option(help="port of the web viewer")] = 8765,
+    host: Annotated[str, typer.Option(help="interface to bind; the default serves this machine only")] = "127.0.0.1",
+    tui: Annotated[bool, typer.Option("--tui", help="the terminal viewer instead of the web page")] = False,
+) -> None:
+    """Browse a run's rollouts: samples, groups, teacher context and the teacher's per-token credit (read-only)."""
+    from tasks.viewer.data import RunData
+
+    setup_logging(False)
+    try:
+        data = RunData(root, run_name)
+    except FileNotFoundError as err:  # no run.json under root
+        fail(str(err))
+    if tui:
+        from tasks.viewer.tui import ViewerApp
+
+        ViewerApp(data).run()
+        return
+    from tasks.viewer.app import serve
+
+    typer.echo(f"sdpo view: http://{host}:{port}/ (run {data.layout.run_url}, read-only; Ctrl-C stops)")
+    serve(data, host=host, port=port)

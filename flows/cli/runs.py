@@ -1,0 +1,152 @@
+"""Commands that run: `sdpo run`, `advance`, `validate`, `stage`, `eval`, `prepare-data`."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+from flows.cli.app import (
+    AllowChangeOpt,
+    ConfigArg,
+    ForceUnlockOpt,
+    OverridesArg,
+    VerboseOpt,
+    app,
+    fail,
+    load_checked,
+    prefect_local_mode,
+    setup_logging,
+)
+
+
+@app.command()
+def run(
+    config: ConfigArg,
+    overrides: OverridesArg = None,
+    allow_config_change: AllowChangeOpt = False,
+    force_unlock: ForceUnlockOpt = False,
+    verbose: VerboseOpt = False,
+) -> None:
+    """Create or resume a run and iterate it to the configured number of iterations, with a progress
+    bar (iteration and stage under way, ETA) and a summary table at the end."""
+    from rich.console import Console
+
+    log_console = setup_logging(verbose)
+    cfg = load_checked(config, overrides)
+    from flows.progress import iteration_progress
+    from flows.run import sdpo_run
+    from tasks.runtime import run_layout
+    from tasks.tracking.summary import render_table
+
+    with prefect_local_mode(cfg.name), iteration_progress(run_layout(cfg), cfg.iterations, log_console):
+        summary = sdpo_run(str(config), list(overrides or []), allow_config_change, force_unlock)
+    console = Console()
+    console.print(render_table(summary))
+    uri = summary["tracking_uri"]
+    console.print("\nInspect the run:")
+    console.print(f"  mlflow ui --backend-store-uri {uri} --host 127.0.0.1 --port 5000")
+    console.print(f"  sdpo lineage {cfg.name} --root {cfg.storage.root}")
+    console.print(f"  sdpo status {cfg.name} --root {cfg.storage.root}")
+
+
+@app.command()
+def advance(
+    config: ConfigArg,
+    overrides: OverridesArg = None,
+    allow_config_change: AllowChangeOpt = False,
+    force_unlock: ForceUnlockOpt = False,
+    verbose: VerboseOpt = False,
+) -> None:
+    """Advance a run by one iteration (creating it if needed), as a scheduled deployment does."""
+    setup_logging(verbose)
+    cfg = load_checked(config, overrides)
+    from flows.iteration import sdpo_advance
+
+    with prefect_local_mode(cfg.name):
+        state = sdpo_advance(str(config), list(overrides or []), allow_config_change, force_unlock, return_state=True)
+    if state.is_cancelled():
+        fail(state.message)
+    result = state.result()
+    if result is None:
+        typer.echo(f"{state.message}: nothing to do")
+    else:
+        typer.echo(f"run {cfg.name}: committed {result['path']}")
+
+
+@app.command()
+def validate(config: ConfigArg, overrides: OverridesArg = None) -> None:
+    """Validate a config (with overrides, data and tokenizer checks) and print it fully resolved, defaults included."""
+    import yaml
+
+    from tasks.config import ConfigError, full_dict, load_config
+    from tasks.preflight import preflight
+
+    try:
+        cfg = load_config(config, overrides or [])  # credentials are refused here, so never printed
+        preflight(cfg)
+    except ConfigError as err:
+        fail(str(err))
+    typer.echo(yaml.safe_dump(full_dict(cfg), sort_keys=False))
+
+
+@app.command("stage")
+def stage_command(
+    name: Annotated[str, typer.Argument(help="prepare-base | rollout | teacher | train | commit | eval")],
+    root: Annotated[str, typer.Option(help="run root (path or URL)")],
+    run_name: Annotated[str, typer.Option("--run", "--run-name", help="run name")],
+    iteration: Annotated[int, typer.Option(help="iteration whose stage to run")],
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="every log line of the stage")] = False,
+) -> None:
+    """Run one stage of one iteration as a process: read its inputs from the store, write its outputs
+    and manifest there. The stage launchers start this (under torchrun too); so can any scheduler."""
+    from tasks.launch import STAGES, register_stage_options, run_stage
+
+    if name not in STAGES:
+        fail(f"unknown stage {name!r}; stages are {', '.join(STAGES)}")
+    setup_logging(verbose)
+    register_stage_options(root)
+    run_stage(name, root, run_name, iteration)
+
+
+@app.command("eval")
+def evaluate(
+    config: ConfigArg,
+    overrides: OverridesArg = None,
+    iteration: Annotated[int, typer.Option(help="checkpoint to evaluate (0 = the initial model)")] = -1,
+) -> None:
+    """Evaluate a run's checkpoint on the held-out split (greedy and sampled accuracy)."""
+    from flows.evaluate import sdpo_eval
+    from tasks.config import ConfigError, load_config
+
+    setup_logging(False)
+    try:
+        cfg = load_config(config, overrides or [])
+    except ConfigError as err:
+        fail(str(err))
+    with prefect_local_mode(cfg.name):
+        metrics = sdpo_eval(str(config), list(overrides or []), iteration)
+    for key, value in sorted(metrics.items()):
+        typer.echo(f"{key}: {value:.4f}")
+
+
+@app.command("prepare-data")
+def prepare_data(
+    dataset: Annotated[str, typer.Option(help="sciknoweval | tooluse | toolalpaca | livecodebench | humaneval | mbpp | gsm8k | ...")],
+    input: Annotated[str, typer.Option("--input", help="input file or folder (path or URL)")],  # noqa: A002
+    output: Annotated[str, typer.Option(help="output data set (path or URL; .jsonl or .parquet)")],
+    eval_output: Annotated[Optional[str], typer.Option(help="also write a held-out / full-test split here")] = None,
+    skip_invalid: Annotated[bool, typer.Option(help="skip malformed rows (counted) instead of failing")] = False,
+    option: Annotated[Optional[list[str]], typer.Option(help="converter option key=value (repeatable)")] = None,
+) -> None:
+    """Convert a data set into the run's prompt schema (prompt messages, label, data source, metadata)."""
+    from tasks.data.prepare import InvalidRowError, cli_prepare
+
+    try:
+        stats = cli_prepare(
+            dataset, input, output, skip_invalid=skip_invalid, eval_output=eval_output, options=list(option or [])
+        )
+    except InvalidRowError as err:
+        fail(str(err))
+    for key, value in stats.items():
+        typer.echo(f"{key}: {value}")

@@ -1,0 +1,81 @@
+"""The run configuration: one typed tree, validated at construction.
+
+Every default of the product lives here and nowhere else. The package imports only pydantic and
+PyYAML so that a flow can validate a config on any worker without torch, Megatron or SGLang.
+
+A config is loaded from YAML plus dotted overrides::
+
+    cfg = load_config("configs/demo.yaml", ["loss.alpha=0.5", "rollout.group_size=4"])
+
+Errors name the field (with file:line for a value from the YAML file) and say what to change.
+Every float must be finite. Credential-looking keys and URLs with a password are refused while
+loading, before the config is validated, printed or handed to anything, and the error names the
+key, never the value.
+
+The tree is split by what its values decide: `experiment` (everything that can change the result),
+`operations` (where a run lives, runs and what it keeps), `run` (the root `RunConfig`, loading,
+dumping, hashing) and `source` (the YAML file, overrides and the checks before validation). This
+package exports the whole tree: callers import from `tasks.config`.
+"""
+
+from tasks.config.experiment import (
+    BootstrapConfig,
+    DataConfig,
+    EvalConfig,
+    LossConfig,
+    ModelConfig,
+    OptimizerConfig,
+    RolloutConfig,
+    SGLangConfig,
+    TeacherConfig,
+    TrainConfig,
+    VerifierConfig,
+)
+from tasks.config.operations import (
+    KeepRuleConfig,
+    LaunchConfig,
+    RetentionConfig,
+    StageLaunch,
+    StorageConfig,
+    TrackingConfig,
+)
+from tasks.config.run import (
+    RunConfig,
+    apply_overrides,
+    build_config,
+    config_hash,
+    flatten,
+    full_dict,
+    load_config,
+    to_dict,
+)
+from tasks.config.source import ConfigError
+
+__all__ = [
+    "BootstrapConfig",
+    "ConfigError",
+    "DataConfig",
+    "EvalConfig",
+    "KeepRuleConfig",
+    "LaunchConfig",
+    "LossConfig",
+    "ModelConfig",
+    "OptimizerConfig",
+    "RetentionConfig",
+    "RolloutConfig",
+    "RunConfig",
+    "SGLangConfig",
+    "StageLaunch",
+    "StorageConfig",
+    "TeacherConfig",
+    "TrackingConfig",
+    "TrainConfig",
+    "VerifierConfig",
+    "apply_overrides",
+    "build_config",
+    "config_hash",
+    "flatten",
+    "full_dict",
+    "load_config",
+    "to_dict",
+]

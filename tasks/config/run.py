@@ -1,0 +1,180 @@
+"""The whole run's config (`RunConfig`, with its cross-section checks) and how it is loaded from
+YAML plus dotted overrides, dumped, hashed and flattened."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import Field, ValidationError, model_validator
+
+from tasks.config.experiment import (
+    DataConfig,
+    EvalConfig,
+    LossConfig,
+    ModelConfig,
+    OptimizerConfig,
+    RolloutConfig,
+    TeacherConfig,
+    TrainConfig,
+    VerifierConfig,
+)
+from tasks.config.operations import LaunchConfig, StorageConfig, TrackingConfig
+from tasks.config.section import Section
+from tasks.config.source import ConfigError, read_yaml, refuse_credentials, where
+
+
+class RunConfig(Section):
+    """A whole SDPO (or baseline) run."""
+
+    name: str = Field("demo", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    seed: int = 0
+    iterations: int = Field(10, ge=1)
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    verifier: VerifierConfig = VerifierConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    teacher: TeacherConfig = TeacherConfig()
+    loss: LossConfig = LossConfig()
+    optimizer: OptimizerConfig = OptimizerConfig()
+    train: TrainConfig = TrainConfig()
+    storage: StorageConfig = StorageConfig()
+    tracking: TrackingConfig = TrackingConfig()
+    eval: EvalConfig = EvalConfig()
+    launch: LaunchConfig = LaunchConfig()
+
+    @model_validator(mode="after")
+    def _cross_section(self) -> RunConfig:
+        uses_distillation = self.loss.type in ("sdpo", "blend")
+        if uses_distillation and self.teacher.feedback in ("sdpo", "sdpo_relax") and self.rollout.group_size < 2:
+            raise ValueError(
+                f"rollout.group_size={self.rollout.group_size} with loss.type={self.loss.type!r} and "
+                f"teacher.feedback={self.teacher.feedback!r}: SDPO takes demonstrations from peers in the "
+                "group; set rollout.group_size >= 2 (the paper uses 8)"
+            )
+        if self.rollout.engine == "sglang" and self.loss.divergence == "full":
+            raise ValueError(
+                "loss.divergence='full' records the whole vocabulary per token, which SGLang would send "
+                "as JSON; use divergence=topk_tail with rollout.engine=sglang"
+            )
+        if self.loss.type in ("grpo", "blend") and self.rollout.group_size < 2:
+            raise ValueError(
+                f"rollout.group_size={self.rollout.group_size}: GRPO advantages need groups of >= 2 answers"
+            )
+        if self.launch.teacher.launcher == "torchrun" and self.teacher.backend != "megatron":
+            raise ValueError(
+                "launch.teacher.launcher='torchrun' needs teacher.backend='megatron' (the HF scorer runs in one process)"
+            )
+        for stage in ("teacher", "train"):
+            spec = getattr(self.launch, stage)
+            world = spec.nproc_per_node * spec.nnodes
+            if spec.launcher == "torchrun" and world % self.train.tensor_parallel:
+                raise ValueError(
+                    f"launch.{stage}: {world} ranks are not a multiple of train.tensor_parallel={self.train.tensor_parallel}"
+                )
+        per_iter = self.data.prompts_per_iteration * self.rollout.group_size
+        if per_iter % self.train.steps_per_iteration:
+            raise ValueError(
+                f"train.steps_per_iteration={self.train.steps_per_iteration} does not divide the "
+                f"{per_iter} samples of an iteration (data.prompts_per_iteration * rollout.group_size)"
+            )
+        return self
+
+
+# --------------------------------------------------------------------------------------------
+# loading
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    node = tree
+    for key in keys[:-1]:
+        child = node.setdefault(key, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {dotted!r}: {key!r} is a value, not a section")
+        node = child
+    node[keys[-1]] = value
+
+
+def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Return a copy of `tree` with `key.sub=value` overrides applied (values parsed as YAML)."""
+    out = json.loads(json.dumps(tree))
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not of the form section.key=value")
+        key, raw = item.split("=", 1)
+        if not key:
+            raise ConfigError(f"override {item!r} has an empty key")
+        _set_dotted(out, key.strip(), yaml.safe_load(raw) if raw.strip() else "")
+    return out
+
+
+def _format_validation_error(err: ValidationError, lines_of: dict[str, str]) -> str:
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"]) or "<root>"
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key; remove it or check its spelling"
+        place = where(lines_of, loc)
+        lines.append(f"  {place + ': ' if place else ''}{loc}: {msg}")
+    return "invalid run config:\n" + "\n".join(lines)
+
+
+def build_config(tree: dict[str, Any], *, lines_of: dict[str, str] | None = None) -> RunConfig:
+    """Validate a plain dict into a RunConfig, raising ConfigError with one line per bad field.
+
+    `lines_of` maps dotted keys to the "file:line" they were read from (named in the errors)."""
+    try:
+        return RunConfig.model_validate(tree)
+    except ValidationError as err:
+        raise ConfigError(_format_validation_error(err, lines_of or {})) from None
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> RunConfig:
+    """Load a YAML run config (or the defaults when `path` is None) and apply dotted overrides.
+
+    Credentials are refused (file and overrides) before anything else looks at the values."""
+    tree: dict[str, Any] = {}
+    lines_of: dict[str, str] = {}
+    if path is not None:
+        tree, lines_of = read_yaml(Path(path))
+    refuse_credentials(tree, places=lines_of)
+    for i, item in enumerate(overrides or [], start=1):
+        key = item.split("=", 1)[0].strip()
+        refuse_credentials(apply_overrides({}, [item]), places={key: f"override {i} ({key})"})
+        lines_of[key] = f"override {i}"  # the value now comes from the override, not the file
+    return build_config(apply_overrides(tree, overrides or []), lines_of=lines_of)
+
+
+def to_dict(cfg: RunConfig) -> dict[str, Any]:
+    """The fully resolved config of the experiment as plain JSON-able data (what run.json freezes).
+
+    The `launch` section (where stages run) is left out: placement never changes results."""
+    return cfg.model_dump(mode="json", exclude={"launch"})
+
+
+def full_dict(cfg: RunConfig) -> dict[str, Any]:
+    """Everything, placement included (what `sdpo validate` prints)."""
+    return cfg.model_dump(mode="json")
+
+
+def config_hash(cfg: RunConfig) -> str:
+    """sha256 of the canonical JSON of the resolved config."""
+    blob = json.dumps(to_dict(cfg), sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.sha256(blob).hexdigest()
+
+
+def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Dotted keys -> leaf values (MLflow params, config diffs)."""
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            out.update(flatten(value, dotted + "."))
+        else:
+            out[dotted] = value
+    return out

@@ -1,0 +1,148 @@
+"""Training batches from the teacher shards' columns: padded or packed micro-batches, the
+mini-batch split of an iteration, and the loss denominators of a mini-batch."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from tasks.config import RunConfig
+
+
+@dataclass
+class Batch:
+    """Padded tensors of one micro-batch. B samples, S = longest prompt+response, T = longest response."""
+
+    tokens: Any  # [B, S] int64, right padded
+    position_ids: Any  # [B, S]
+    response_positions: Any  # [B, T] index into S of the logits predicting response token t
+    response_ids: Any  # [B, T]
+    response_mask: Any  # [B, T] bool
+    topk_ids: Any  # [B, T, K]
+    teacher_topk_logprobs: Any  # [B, T, K]
+    teacher_token_logprobs: Any  # [B, T]
+    old_token_logprobs: Any  # [B, T] behaviour policy (rollout engine)
+    advantages: Any  # [B]
+    sample_mask: Any  # [B] bool
+    # Packed micro-batches (train.packing): tokens is one row [1, L] of the samples end to end.
+    logit_rows: Any = None  # [B, T] flat index into the micro-batch's logits [B' * S'] per response token
+    packed_seq_params: Any = None  # Megatron PackedSeqParams (thd, boundaries on the CPU)
+
+    def to(self, device: Any) -> Batch:
+        """The same batch with its tensors on `device` (the packing boundaries stay on the CPU)."""
+        moved = {
+            f.name: getattr(self, f.name).to(device)
+            for f in dataclasses.fields(self)
+            if f.name != "packed_seq_params" and getattr(self, f.name) is not None
+        }
+        return dataclasses.replace(self, **moved)
+
+
+def make_batch(columns: dict[str, Any], rows: list[int]) -> Batch:
+    """Pad the given rows of the teacher columns into one micro-batch (no per-token Python loops)."""
+    import torch
+
+    prompts = [np.asarray(columns["prompt_ids"][i], dtype=np.int64) for i in rows]
+    responses = [np.asarray(columns["response_ids"][i], dtype=np.int64) for i in rows]
+    k = int(np.asarray(columns["topk_ids"][rows[0]]).shape[-1])
+    b = len(rows)
+    s = max(len(p) + len(r) for p, r in zip(prompts, responses, strict=True))
+    t = max(1, max(len(r) for r in responses))
+    tokens = np.zeros((b, s), dtype=np.int64)
+    resp_pos = np.zeros((b, t), dtype=np.int64)
+    resp_ids = np.zeros((b, t), dtype=np.int64)
+    mask = np.zeros((b, t), dtype=bool)
+    topk_ids = np.zeros((b, t, k), dtype=np.int64)
+    teacher_topk = np.zeros((b, t, k), dtype=np.float32)
+    teacher_tok = np.zeros((b, t), dtype=np.float32)
+    old_tok = np.zeros((b, t), dtype=np.float32)
+    for j, (i, p, r) in enumerate(zip(rows, prompts, responses, strict=True)):
+        n_p, n_r = len(p), len(r)
+        tokens[j, :n_p] = p
+        tokens[j, n_p : n_p + n_r] = r
+        resp_pos[j, :n_r] = np.arange(n_p - 1, n_p - 1 + n_r)
+        resp_ids[j, :n_r] = r
+        mask[j, :n_r] = True
+        topk_ids[j, :n_r] = np.asarray(columns["topk_ids"][i])
+        teacher_topk[j, :n_r] = np.asarray(columns["teacher_topk_logprobs"][i])
+        teacher_tok[j, :n_r] = np.asarray(columns["teacher_sampled_logprobs"][i])
+        old_tok[j, :n_r] = np.asarray(columns["sampled_logprobs"][i])
+    positions = np.broadcast_to(np.arange(s, dtype=np.int64), (b, s)).copy()
+    return Batch(
+        tokens=torch.from_numpy(tokens),
+        position_ids=torch.from_numpy(positions),
+        response_positions=torch.from_numpy(resp_pos),
+        response_ids=torch.from_numpy(resp_ids),
+        response_mask=torch.from_numpy(mask),
+        topk_ids=torch.from_numpy(topk_ids),
+        teacher_topk_logprobs=torch.from_numpy(teacher_topk),
+        teacher_token_logprobs=torch.from_numpy(teacher_tok),
+        old_token_logprobs=torch.from_numpy(old_tok),
+        advantages=torch.as_tensor(np.asarray([columns["advantage"][i] for i in rows], dtype=np.float32)),
+        sample_mask=torch.as_tensor(np.asarray([bool(columns["sample_mask"][i]) for i in rows])),
+    )
+
+
+def make_packed_batch(columns: dict[str, Any], rows: list[int], *, pad_to_multiple: int = 8) -> Batch:
+    """The rows as one packed row [1, L] (see `tasks.megatron.packing`), with the padded loss inputs."""
+    from tasks.megatron.packing import pack_sequences
+
+    batch = make_batch(columns, rows)
+    packed = pack_sequences(
+        [columns["prompt_ids"][i] for i in rows],
+        [columns["response_ids"][i] for i in rows],
+        pad_to_multiple=pad_to_multiple,
+    )
+    width = batch.response_ids.shape[1]
+    logit_rows = packed.logit_rows.new_zeros((len(rows), width))
+    logit_rows[:, : packed.logit_rows.shape[1]] = packed.logit_rows[:, :width]
+    return dataclasses.replace(
+        batch,
+        tokens=packed.tokens,
+        position_ids=packed.position_ids,
+        response_positions=logit_rows,
+        logit_rows=logit_rows,
+        packed_seq_params=packed.packed_seq_params(),
+    )
+
+
+def micro_batches(cfg: RunConfig, columns: dict[str, Any], rows: list[int]) -> list[Batch]:
+    """This rank's micro-batches: `micro_batch_size` padded rows each, or token-budget packs."""
+    if not cfg.train.packing:
+        size = cfg.train.micro_batch_size
+        return [make_batch(columns, rows[i : i + size]) for i in range(0, len(rows), size)]
+    from tasks.megatron.packing import plan_packs
+
+    lengths = [len(columns["prompt_ids"][i]) + len(columns["response_ids"][i]) for i in rows]
+    packs = plan_packs(lengths, capacity=cfg.train.pack_tokens)
+    return [make_packed_batch(columns, [rows[j] for j in pack]) for pack in packs]
+
+
+def mini_batch_denominators(cfg: RunConfig, columns: dict[str, Any], rows: list[int]) -> tuple[Any, Any]:
+    """(SDPO, GRPO) loss normalisers of a whole mini-batch; GRPO counts every sample. Only the
+    response lengths and sample masks are read (the masks `make_batch` would build)."""
+    import torch
+
+    from sdpo_core.losses import loss_denominator
+
+    lengths = torch.tensor([len(columns["response_ids"][i]) for i in rows])
+    response_mask = torch.arange(max(1, int(lengths.max()))) < lengths[:, None]  # [B, T]
+    sample_mask = torch.as_tensor(np.asarray([bool(columns["sample_mask"][i]) for i in rows]))
+    kw = {"reduction": cfg.loss.mask_reduction, "aggregation": cfg.loss.aggregation}
+    sdpo = loss_denominator(response_mask, sample_mask, **kw)
+    grpo = loss_denominator(response_mask, torch.ones_like(sample_mask), **kw)
+    return sdpo, grpo
+
+
+def minibatch_rows(n_rows: int, *, steps: int, seed: int, iteration: int) -> list[list[int]]:
+    """The rows of each optimizer step: a seeded shuffle split into `steps` equal mini-batches."""
+    if n_rows % steps:
+        raise ValueError(f"{n_rows} samples cannot be split into {steps} equal mini-batches")
+    order = list(range(n_rows))
+    random.Random(f"train:{seed}:{iteration}").shuffle(order)
+    size = n_rows // steps
+    return [order[i * size : (i + 1) * size] for i in range(steps)]

@@ -1,0 +1,92 @@
+"""The trainer's state across iterations and processes: kept in the process that trained the
+previous iteration, otherwise rebuilt from the store (the last full state plus a checked replay)."""
+
+from __future__ import annotations
+
+import logging
+
+from tasks.megatron.trainer import MegatronTrainer
+from tasks.runtime import Run
+
+logger = logging.getLogger(__name__)
+
+# the trainer of each run this process trained last, by run URL
+_TRAINERS: dict[str, MegatronTrainer] = {}
+
+
+def full_state_iteration(run: Run, iteration: int) -> int:
+    """The last iteration <= `iteration` with a committed full training state (0: the base model)."""
+    from storage.checkpoints import checkpoint_exists
+    from storage.manifest import stage_done
+
+    from storage.retention import is_pruned
+
+    for m in range(iteration, 0, -1):
+        committed = stage_done(run.layout, m, "train") and checkpoint_exists(run.layout, m, "megatron")
+        if committed and not is_pruned(run.layout, m, "megatron"):
+            return m
+    return 0
+
+
+def restore_trainer(run: Run, iteration: int) -> MegatronTrainer:
+    """A trainer in exactly the state it had after `iteration`, rebuilt from the store.
+
+    The last full state (Megatron checkpoint) at or before `iteration` is loaded, and the
+    iterations after it are replayed from their committed teacher shards (training is a function
+    of the state, the shards and the seed); each replayed iteration is checked against the policy
+    checkpoint it committed.
+    """
+    from storage.shards import read_stage_columns
+    from tasks.runtime import checkpoint_dir
+
+    start = full_state_iteration(run, iteration)
+    # The base model gives the architecture (and the weights when start = 0); retention never prunes it.
+    trainer = MegatronTrainer(run.cfg, checkpoint_dir(run, 0, "policy"))
+    if start > 0:
+        trainer.load_megatron(checkpoint_dir(run, start, "megatron"))
+    for m in range(start + 1, iteration + 1):
+        logger.info("replaying the training of iteration %d from its teacher shards (full state of iteration %d)", m, start)
+        columns = read_stage_columns(run.layout, m, "teacher", verify=run.cfg.storage.verify_sha256)
+        trainer.train_iteration(columns, iteration=m)
+        check_replay(run, trainer, m)
+    trainer.iteration = iteration
+    return trainer
+
+
+def check_replay(run: Run, trainer: MegatronTrainer, iteration: int) -> None:
+    """Fail when replaying `iteration` did not reproduce the policy weights it committed."""
+    import torch
+
+    from storage.checkpoints import read_checkpoint_manifest
+    from storage.objects import sha256_local_file
+    from storage.scratch import scratch_dir
+    from tasks.runtime import checkpoint_dir
+
+    stored = {e["name"]: e["sha256"] for e in read_checkpoint_manifest(run.layout, iteration, "policy").data["files"]}
+    with scratch_dir(run.cfg.storage.cache_dir, "replay") as tmp:
+        trainer.save_hf(tmp, checkpoint_dir(run, 0, "policy"))  # collective; rank 0 writes (tokenizer: the base's)
+        if torch.distributed.get_rank() != 0:
+            return
+        replayed = sha256_local_file(tmp / "model.safetensors")
+    if replayed != stored["model.safetensors"]:
+        raise RuntimeError(
+            f"replaying iteration {iteration} of run {run.layout.run_name!r} gave weights {replayed[:12]}, but its "
+            f"committed policy has {stored['model.safetensors'][:12]}: training is not deterministic here, so "
+            "resume exactly needs train.megatron_checkpoint_every=1"
+        )
+
+
+def get_trainer(run: Run, iteration: int) -> MegatronTrainer:
+    """A trainer holding the state after iteration-1: this process's own when it trained that
+    iteration, else restored from the store (`restore_trainer`); both are the same state."""
+    from tasks.megatron.parallel import init_parallel
+
+    trainer = _TRAINERS.get(run.url)
+    if trainer is not None and trainer.iteration == iteration - 1:
+        # The CPU compatibility patches are per thread; a stage may run on a new worker thread.
+        init_parallel(tensor_parallel=run.cfg.train.tensor_parallel, seed=run.cfg.seed)
+        return trainer
+    _TRAINERS.pop(run.url, None)
+    trainer = restore_trainer(run, iteration - 1)
+    _TRAINERS[run.url] = trainer
+    return trainer

@@ -1,0 +1,305 @@
+"""The trainer: a megatron-core GPTModel with its DDP wrapper, optimizer and LR schedule.
+
+Algorithm-blind: every per-sample decision arrives as a column of the teacher shards (reward,
+advantage, sample mask, the student's top-K ids, the teacher's log-probs on them). One
+`train_iteration` recomputes the student's log-probs on those ids with gradients, applies the
+configured `sdpo_core` loss and steps the optimizer; `save_megatron` / `load_megatron` hold the full
+training state (weights, Adam's moments and step, the LR schedule) for resuming.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tasks.config import RunConfig
+from tasks.megatron.batches import Batch, micro_batches, mini_batch_denominators, minibatch_rows
+
+
+class MegatronTrainer:
+    """A megatron-core GPTModel with its DDP wrapper, optimizer and LR schedule, kept per process."""
+
+    def __init__(self, cfg: RunConfig, hf_dir: Path, *, load_weights: bool = True) -> None:
+        """`load_weights=False` keeps Megatron's random init (benchmarks need only config.json)."""
+        import torch
+        from transformers import AutoConfig
+
+        from tasks.megatron.convert import load_hf_into_megatron
+        from tasks.megatron.model import build_gpt_model
+        from tasks.megatron.parallel import init_parallel
+
+        self.cfg = cfg
+        init_parallel(tensor_parallel=cfg.train.tensor_parallel, seed=cfg.seed)
+        self.hf_config = AutoConfig.from_pretrained(str(hf_dir))
+        dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
+        # The unchunked loss takes a full-vocabulary logsumexp of gathered logits; the chunked one
+        # works on vocab-sharded logits under tensor parallelism (never gathered).
+        self.sharded_logits = cfg.train.loss_chunk_tokens > 0 and cfg.train.tensor_parallel > 1
+        model = build_gpt_model(
+            self.hf_config,
+            params_dtype=dtype,
+            parallel_output=self.sharded_logits,
+            attention=cfg.train.attention,
+            recompute=cfg.train.recompute,
+            fused_kernels=cfg.train.fused_kernels,
+        )
+        if load_weights:
+            load_hf_into_megatron(model, str(hf_dir))
+        self.vocab_size = int(self.hf_config.vocab_size)
+        self._wrap(model)
+        self.iteration = 0  # the iteration whose output these weights are
+
+    def _wrap(self, model: Any) -> None:
+        import torch
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        opt = self.cfg.optimizer
+        bf16 = self.cfg.model.dtype == "bfloat16"
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
+        )
+        from megatron.core.distributed import finalize_model_grads
+
+        self.model = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
+        # After the backward passes: data-parallel gradient reduction, and the tensor-parallel
+        # all-reduce of replicated parameters that see only their rank's heads (q/k layernorm).
+        model.config.finalize_model_grads_func = finalize_model_grads
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer="adam",
+                lr=opt.lr,
+                min_lr=opt.lr * opt.min_lr_ratio,
+                weight_decay=opt.weight_decay,
+                adam_beta1=opt.betas[0],
+                adam_beta2=opt.betas[1],
+                clip_grad=opt.grad_clip,
+                bf16=bf16,
+                params_dtype=torch.bfloat16 if bf16 else torch.float32,
+            ),
+            [self.model],
+        )
+        if self.cfg.train.fused_kernels:
+            from tasks.megatron.fusions import use_fused_adamw
+
+            use_fused_adamw(self.optimizer)
+        total_steps = max(1, self.cfg.iterations * self.cfg.train.steps_per_iteration)
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer,
+            init_lr=0.0 if opt.warmup_steps else opt.lr,
+            max_lr=opt.lr,
+            min_lr=opt.lr * opt.min_lr_ratio if opt.schedule == "cosine" else opt.lr,
+            lr_warmup_steps=opt.warmup_steps,
+            lr_decay_steps=max(total_steps, opt.warmup_steps + 1),
+            lr_decay_style="cosine" if opt.schedule == "cosine" else "constant",
+            start_wd=opt.weight_decay,
+            end_wd=opt.weight_decay,
+            wd_incr_steps=total_steps,
+            wd_incr_style="constant",
+        )
+
+    # -- one iteration -------------------------------------------------------------------------
+
+    def _loss_func(
+        self, batch: Batch, denominators: tuple[Any, Any], scale: float, logits: Any
+    ) -> tuple[Any, dict[str, Any]]:
+        import torch
+
+        from sdpo_core.losses import LossInputs, policy_loss
+
+        cfg = self.cfg
+        if cfg.train.loss_chunk_tokens > 0:
+            student_topk, student_tok = self._chunked_student_logprobs(batch, logits)
+        else:
+            logits = logits[..., : self.vocab_size].float()  # Megatron may pad the vocabulary
+            if batch.logit_rows is not None:
+                resp_logits = logits.reshape(-1, logits.shape[-1])[batch.logit_rows]  # [B, T, V]
+            else:
+                index = batch.response_positions.unsqueeze(-1).expand(-1, -1, logits.shape[-1])
+                resp_logits = torch.gather(logits, 1, index)  # [B, T, V]
+            lse = torch.logsumexp(resp_logits, dim=-1, keepdim=True)  # [B, T, 1]
+            student_topk = torch.gather(resp_logits, -1, batch.topk_ids) - lse  # [B, T, K]
+            student_tok = torch.gather(resp_logits, -1, batch.response_ids.unsqueeze(-1)).squeeze(-1) - lse.squeeze(-1)
+        out = policy_loss(
+            LossInputs(
+                student_topk_logprobs=student_topk,
+                teacher_topk_logprobs=batch.teacher_topk_logprobs,
+                student_token_logprobs=student_tok,
+                old_token_logprobs=batch.old_token_logprobs,
+                teacher_token_logprobs=batch.teacher_token_logprobs,
+                advantages=batch.advantages,
+                response_mask=batch.response_mask,
+                sample_mask=batch.sample_mask,
+                sdpo_denominator=denominators[0],
+                grpo_denominator=denominators[1],
+            ),
+            loss_type=cfg.loss.type,
+            divergence="topk_tail" if cfg.loss.divergence == "full" else cfg.loss.divergence,
+            alpha=cfg.loss.alpha,
+            blend_lambda=1.0 if cfg.loss.type == "grpo" else cfg.loss.blend_lambda,
+            is_clip=cfg.loss.is_clip,
+            reduction=cfg.loss.mask_reduction,
+            aggregation=cfg.loss.aggregation,
+            clip_low=cfg.loss.clip_low,
+            clip_high=cfg.loss.clip_high,
+        )
+        metrics = {name: torch.tensor(float(value)) for name, value in out.metrics.items()}
+        return out.loss * scale, metrics
+
+    def _chunked_student_logprobs(self, batch: Batch, logits: Any) -> tuple[Any, Any]:
+        """Student log-probs at the top-K ids [B, T, K] and the sampled ids [B, T], streamed over
+        token and vocabulary chunks (`sdpo_core.chunked`); vocab-parallel when the logits are sharded."""
+        import torch
+
+        from sdpo_core.chunked import chunked_token_logprobs
+        from tasks.megatron.vocab_parallel import tensor_parallel_token_logprobs
+
+        flat = logits.reshape(-1, logits.shape[-1])  # [B' * S', V_local]
+        if batch.logit_rows is not None:
+            logit_rows = batch.logit_rows
+        else:
+            width = logits.shape[1]
+            offsets = torch.arange(batch.response_positions.shape[0], device=flat.device)[:, None] * width
+            logit_rows = batch.response_positions + offsets  # [B, T]
+        mask = batch.response_mask  # [B, T]
+        ids = torch.cat([batch.topk_ids, batch.response_ids.unsqueeze(-1)], dim=-1)  # [B, T, K+1]
+        kwargs = {
+            "vocab_size": self.vocab_size,
+            "chunk_tokens": self.cfg.train.loss_chunk_tokens,
+            "compile": self.cfg.train.loss_compile,
+        }
+        if self.sharded_logits:
+            picked = tensor_parallel_token_logprobs(flat, logit_rows[mask], ids[mask], **kwargs)  # [N, K+1]
+        else:
+            picked = chunked_token_logprobs(flat, logit_rows[mask], ids[mask], **kwargs)  # [N, K+1]
+        full = picked.new_zeros(ids.shape)  # [B, T, K+1]
+        full[mask] = picked
+        return full[..., :-1], full[..., -1]
+
+    def train_iteration(self, columns: dict[str, Any], *, iteration: int) -> dict[str, float]:
+        import torch
+        from megatron.core import parallel_state
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        cfg = self.cfg
+        seed_training_rng(cfg.seed, iteration)
+        n_rows = len(columns["sample_id"])
+        dp_rank = parallel_state.get_data_parallel_rank()
+        dp_size = parallel_state.get_data_parallel_world_size()
+        step_metrics: list[dict[str, float]] = []
+        plan = minibatch_rows(n_rows, steps=cfg.train.steps_per_iteration, seed=cfg.seed, iteration=iteration)
+
+        def host_inputs(rows: list[int]) -> tuple[list[Batch], tuple[Any, Any]]:
+            # Every micro-batch divides by the whole mini-batch's normaliser, so the summed
+            # gradient equals that of the mini-batch loss.
+            return micro_batches(cfg, columns, rows[dp_rank::dp_size]), mini_batch_denominators(cfg, columns, rows)
+
+        upcoming = host_inputs(plan[0])
+        for index in range(len(plan)):
+            batches, denominators = upcoming
+            # Megatron divides each micro-batch loss by their count and DDP averages over
+            # data-parallel ranks, both undone by `scale`.
+            scale = float(len(batches) * dp_size)
+            data = iter(batches)
+            device = next(self.model.parameters()).device
+
+            def forward_step(data_iterator: Any, model: Any) -> tuple[Any, Any]:
+                batch = next(data_iterator).to(device)
+                logits = model(batch.tokens, batch.position_ids, None, packed_seq_params=batch.packed_seq_params)
+                return logits, partial(self._loss_func, batch, denominators, scale)
+
+            self.model.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            reduced = get_forward_backward_func()(
+                forward_step_func=forward_step,
+                data_iterator=data,
+                model=[self.model],
+                num_microbatches=len(batches),
+                seq_length=int(max(b.tokens.shape[1] for b in batches)),
+                micro_batch_size=int(batches[0].tokens.shape[0]),
+                forward_only=False,
+            )
+            if index + 1 < len(plan):
+                # The backward pass is queued on the device: build the next step's batches meanwhile,
+                # before the optimizer step waits for it (the gradient norm).
+                upcoming = host_inputs(plan[index + 1])
+            update_ok, grad_norm, _ = self.optimizer.step()
+            if not update_ok:
+                raise RuntimeError(f"optimizer step failed at iteration {iteration} (grad norm {grad_norm})")
+            self.scheduler.step(increment=1)
+            merged: dict[str, float] = {}
+            for name in reduced[0]:
+                merged[name] = float(torch.stack([r[name] for r in reduced]).mean())
+            # Each micro-batch loss is its share of the mini-batch mean (global normaliser), so the
+            # mini-batch loss is their sum over micro-batches and data-parallel ranks.
+            loss_sum = torch.stack([r["loss/total"] for r in reduced]).sum().reshape(1)
+            if dp_size > 1:
+                torch.distributed.all_reduce(loss_sum, group=parallel_state.get_data_parallel_group())
+            merged["train/loss"] = float(loss_sum)
+            merged["train/grad_norm"] = float(grad_norm)
+            merged["train/lr"] = float(self.optimizer.param_groups[0]["lr"])
+            step_metrics.append(merged)
+        self.iteration = iteration
+        return {name: float(np.mean([m[name] for m in step_metrics])) for name in step_metrics[0]}
+
+    # -- persistence ---------------------------------------------------------------------------
+
+    def save_hf(self, out_dir: Path, tokenizer_dir: Path) -> None:
+        from tasks.megatron.convert import save_megatron_as_hf
+
+        save_megatron_as_hf(self.model.module, self.hf_config, str(out_dir), tokenizer_dir=str(tokenizer_dir))
+
+    def save_megatron(self, out_dir: Path, *, iteration: int) -> None:
+        """The full training state after `iteration`: weights (fp32 master copies included), Adam's
+        moments and step, the LR schedule. RNG state is not saved: every iteration seeds it from
+        (seed, iteration, data-parallel rank), see `seed_training_rng`."""
+        import torch
+        from megatron.core import dist_checkpointing
+
+        from storage.faults import crash_point
+
+        out_dir.mkdir(parents=True, exist_ok=True)
+        state = self.model.module.sharded_state_dict(prefix="model.")
+        state["optimizer"] = self.optimizer.sharded_state_dict(state)
+        dist_checkpointing.save(state, str(out_dir))
+        crash_point("checkpoint.saving:megatron", iteration)
+        if torch.distributed.get_rank() == 0:  # the same on every rank
+            torch.save({"scheduler": self.scheduler.state_dict(), "iteration": iteration}, out_dir / "trainer_state.pt")
+            (out_dir / "cursor.json").write_text(json.dumps({"iteration": iteration}))
+
+    def load_megatron(self, ckpt_dir: Path) -> None:
+        """Restore what `save_megatron` wrote. The optimizer's template is built for loading
+        (`is_loading=True` creates Adam's state tensors), so its moments and step are read too."""
+        import torch
+        from megatron.core import dist_checkpointing
+
+        state = self.model.module.sharded_state_dict(prefix="model.")
+        state["optimizer"] = self.optimizer.sharded_state_dict(state, is_loading=True)
+        loaded = dist_checkpointing.load(state, str(ckpt_dir))
+        model_state = {k.removeprefix("model."): v for k, v in loaded.items() if k.startswith("model.")}
+        self.model.module.load_state_dict(model_state, strict=False)
+        self.optimizer.load_state_dict(loaded["optimizer"])
+        extra = torch.load(ckpt_dir / "trainer_state.pt", weights_only=False)
+        self.scheduler.load_state_dict(extra["scheduler"])
+        self.iteration = int(extra["iteration"])
+
+
+def seed_training_rng(seed: int, iteration: int) -> None:
+    """Seed every RNG training may draw from (torch, numpy, python, Megatron's model-parallel
+    tracker) from (seed, iteration, data-parallel rank) alone: an iteration trains the same way
+    whether its process trained the previous one, resumed from the store, or replayed."""
+    import torch
+    from megatron.core import parallel_state, tensor_parallel as mcore_tp
+
+    rank = parallel_state.get_data_parallel_rank()
+    value = int(np.random.SeedSequence([seed, iteration, rank]).generate_state(1)[0])
+    torch.manual_seed(value)
+    mcore_tp.model_parallel_cuda_manual_seed(value)  # adds the tensor-parallel rank's offset itself
+    np.random.seed(value)
+    random.seed(value)
