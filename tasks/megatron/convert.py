@@ -18,6 +18,9 @@ that are already multiples (Qwen's 151936, Llama-3's 128256). Padded rows are ze
 logits are 0: slice logits to the HF vocab size before any softmax.
 
 `load_hf_into_megatron` and `save_megatron_as_hf` wrap these for a built model and an HF folder.
+
+One module on purpose (longer than most): the two directions are inverse tables of one layout, and
+reading them side by side is how a change to one is checked against the other.
 """
 
 from __future__ import annotations
