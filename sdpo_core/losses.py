@@ -11,7 +11,7 @@ ids, V vocabulary.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -202,10 +202,17 @@ class LossInputs:
 
 @dataclass(frozen=True)
 class LossOutputs:
-    """The scalar loss to backpropagate and detached float metrics (namespaced `sdpo/`, `grpo/`, `loss/`)."""
+    """The scalar loss to backpropagate and detached float metrics (namespaced `sdpo/`, `grpo/`, `loss/`).
+
+    `metric_counts[name]` is how many elements (tokens or samples) the mean `metrics[name]` is taken
+    over, so micro-batch metrics combine into the metric of the whole step
+    (`sdpo_core.metrics.combine_metrics`); a metric without a count (the losses) is a micro-batch's share of the
+    step's loss and combines by summing.
+    """
 
     loss: Tensor
     metrics: dict[str, float]
+    metric_counts: dict[str, float] = field(default_factory=dict)
 
 
 def _require(fields: dict[str, Tensor | None], *, why: str) -> None:
@@ -264,7 +271,7 @@ def _sdpo_term(
     is_clip: float | None,
     reduction: Reduction,
     aggregation: Aggregation,
-) -> tuple[Tensor, dict[str, float]]:
+) -> tuple[Tensor, dict[str, float], dict[str, float]]:
     response_mask, sample_mask = inputs.response_mask, inputs.sample_mask
     per_token, divergence_value = _sdpo_per_token(inputs, divergence=divergence, alpha=alpha)  # [B, T]
     weights = importance_weights(inputs.student_token_logprobs, inputs.old_token_logprobs, clip=is_clip)
@@ -278,6 +285,7 @@ def _sdpo_term(
     )
     active = response_mask & sample_mask[:, None]  # [B, T]
     num_response = int(response_mask.sum())
+    num_active = float(active.sum())
     metrics = {
         "sdpo/loss": float(loss.detach()),
         "sdpo/divergence_mean": _masked_token_mean(divergence_value, active),
@@ -293,7 +301,10 @@ def _sdpo_term(
         for side, topk in sides:
             mass = torch.logsumexp(topk.detach().float(), dim=-1).exp()  # [B, T]
             metrics[f"sdpo/{side}_topk_mass_mean"] = _masked_token_mean(mass, active)
-    return loss, metrics
+    counts = {name: num_active for name in metrics if name != "sdpo/loss"}
+    counts["sdpo/active_token_fraction"] = float(num_response)
+    counts["sdpo/active_sample_fraction"] = float(sample_mask.numel())
+    return loss, metrics, counts
 
 
 def _grpo_term(
@@ -303,7 +314,7 @@ def _grpo_term(
     aggregation: Aggregation,
     clip_low: float,
     clip_high: float,
-) -> tuple[Tensor, dict[str, float]]:
+) -> tuple[Tensor, dict[str, float], dict[str, float]]:
     _require({"advantages": inputs.advantages}, why="the GRPO term")
     response_mask = inputs.response_mask
     ppo_args = (inputs.student_token_logprobs, inputs.old_token_logprobs, inputs.advantages, response_mask)
@@ -327,7 +338,10 @@ def _grpo_term(
         "grpo/advantage_mean": float(advantages.mean()) if advantages.numel() else 0.0,
         "grpo/advantage_abs_mean": float(advantages.abs().mean()) if advantages.numel() else 0.0,
     }
-    return loss, metrics
+    tokens = float(response_mask.sum())
+    counts = {"grpo/clip_fraction": tokens, "grpo/ratio_mean": tokens}
+    counts["grpo/advantage_mean"] = counts["grpo/advantage_abs_mean"] = float(advantages.numel())
+    return loss, metrics, counts
 
 
 def policy_loss(
@@ -367,8 +381,9 @@ def policy_loss(
     _check_modes(reduction, aggregation)
 
     metrics: dict[str, float] = {}
+    counts: dict[str, float] = {}
     if loss_type in ("sdpo", "blend"):
-        sdpo_loss, sdpo_metrics = _sdpo_term(
+        sdpo_loss, sdpo_metrics, sdpo_counts = _sdpo_term(
             inputs,
             divergence=divergence,
             alpha=alpha,
@@ -377,11 +392,13 @@ def policy_loss(
             aggregation=aggregation,
         )
         metrics.update(sdpo_metrics)
+        counts.update(sdpo_counts)
     if loss_type in ("grpo", "blend"):
-        grpo_loss, grpo_metrics = _grpo_term(
+        grpo_loss, grpo_metrics, grpo_counts = _grpo_term(
             inputs, reduction=reduction, aggregation=aggregation, clip_low=clip_low, clip_high=clip_high
         )
         metrics.update(grpo_metrics)
+        counts.update(grpo_counts)
 
     if loss_type == "sdpo":
         loss = sdpo_loss
@@ -390,4 +407,5 @@ def policy_loss(
     else:
         loss = blend_lambda * grpo_loss + (1.0 - blend_lambda) * sdpo_loss
     metrics["loss/total"] = float(loss.detach())
-    return LossOutputs(loss=loss, metrics=metrics)
+    return LossOutputs(loss=loss, metrics=metrics, metric_counts=counts)
+

@@ -1,10 +1,11 @@
-"""Metrics of teacher-context building, and a warning when self-distillation has nothing to learn from."""
+"""Metrics of teacher-context building, a warning when self-distillation has nothing to learn from,
+and how the loss metrics of micro-batches combine into the metrics of a step."""
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from sdpo_core.records import SampleRecord, TeacherContext
 
@@ -98,3 +99,27 @@ def warn_if_inactive(
         metrics["sdpo/feedback_available_fraction"],
     )
     return True
+
+
+def combine_metrics(parts: Sequence[tuple[Mapping[str, float], Mapping[str, float]]]) -> dict[str, float]:
+    """The metrics of a whole step from its micro-batches' `(metrics, metric_counts)` (`sdpo_core.losses.LossOutputs`).
+
+    A counted metric is the mean over every element of the step (each micro-batch's mean weighted
+    by its count; 0.0 when no micro-batch had any), so it does not depend on how the step was cut
+    into micro-batches; an uncounted one (a loss share) is the sum.
+    """
+    if not parts:
+        raise ValueError("combine_metrics needs at least one micro-batch")
+    names = list(parts[0][0])
+    for metrics, _ in parts[1:]:
+        if list(metrics) != names:
+            raise ValueError(f"micro-batches report different metrics: {sorted(metrics)} vs {sorted(names)}")
+    out: dict[str, float] = {}
+    for name in names:
+        if name in parts[0][1]:
+            total = sum(counts[name] for _, counts in parts)
+            weighted = sum(metrics[name] * counts[name] for metrics, counts in parts)
+            out[name] = weighted / total if total else 0.0
+        else:
+            out[name] = sum(metrics[name] for metrics, _ in parts)
+    return out

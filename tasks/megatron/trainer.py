@@ -20,6 +20,9 @@ import numpy as np
 from tasks.config import RunConfig
 from tasks.megatron.batches import Batch, micro_batches, mini_batch_denominators, minibatch_rows
 
+# the key prefix under which a micro-batch's metric counts travel through Megatron's schedule
+_COUNT = "count/"
+
 
 class MegatronTrainer:
     """A megatron-core GPTModel with its DDP wrapper, optimizer and LR schedule, kept per process."""
@@ -150,6 +153,7 @@ class MegatronTrainer:
             clip_high=cfg.loss.clip_high,
         )
         metrics = {name: torch.tensor(float(value)) for name, value in out.metrics.items()}
+        metrics.update({_COUNT + name: torch.tensor(float(n)) for name, n in out.metric_counts.items()})
         return out.loss * scale, metrics
 
     def _chunked_student_logprobs(self, batch: Batch, logits: Any) -> tuple[Any, Any]:
@@ -183,7 +187,6 @@ class MegatronTrainer:
         return full[..., :-1], full[..., -1]
 
     def train_iteration(self, columns: dict[str, Any], *, iteration: int) -> dict[str, float]:
-        import torch
         from megatron.core import parallel_state
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -233,15 +236,10 @@ class MegatronTrainer:
             if not update_ok:
                 raise RuntimeError(f"optimizer step failed at iteration {iteration} (grad norm {grad_norm})")
             self.scheduler.step(increment=1)
-            merged: dict[str, float] = {}
-            for name in reduced[0]:
-                merged[name] = float(torch.stack([r[name] for r in reduced]).mean())
+            merged = _step_metrics(reduced, dp_size)
             # Each micro-batch loss is its share of the mini-batch mean (global normaliser), so the
             # mini-batch loss is their sum over micro-batches and data-parallel ranks.
-            loss_sum = torch.stack([r["loss/total"] for r in reduced]).sum().reshape(1)
-            if dp_size > 1:
-                torch.distributed.all_reduce(loss_sum, group=parallel_state.get_data_parallel_group())
-            merged["train/loss"] = float(loss_sum)
+            merged["train/loss"] = merged["loss/total"]
             merged["train/grad_norm"] = float(grad_norm)
             merged["train/lr"] = float(self.optimizer.param_groups[0]["lr"])
             step_metrics.append(merged)
@@ -288,6 +286,29 @@ class MegatronTrainer:
         extra = torch.load(ckpt_dir / "trainer_state.pt", weights_only=False)
         self.scheduler.load_state_dict(extra["scheduler"])
         self.iteration = int(extra["iteration"])
+
+
+def _step_metrics(reduced: list[dict[str, Any]], dp_size: int) -> dict[str, float]:
+    """The loss metrics of one optimizer step over all its micro-batches and data-parallel ranks:
+    token- (or sample-) weighted means and summed loss shares (`sdpo_core.metrics.combine_metrics`),
+    so they do not depend on the micro-batch size or the number of ranks."""
+    import torch
+    from megatron.core import parallel_state
+
+    from sdpo_core.metrics import combine_metrics
+
+    parts = [
+        (
+            {k: float(v) for k, v in r.items() if not k.startswith(_COUNT)},
+            {k.removeprefix(_COUNT): float(v) for k, v in r.items() if k.startswith(_COUNT)},
+        )
+        for r in reduced
+    ]
+    if dp_size > 1:
+        gathered: list[Any] = [None] * dp_size
+        torch.distributed.all_gather_object(gathered, parts, group=parallel_state.get_data_parallel_group())
+        parts = [part for rank_parts in gathered for part in rank_parts]
+    return combine_metrics(parts)
 
 
 def seed_training_rng(seed: int, iteration: int) -> None:

@@ -206,3 +206,17 @@ def test_tensor_parallel_vocab_parallel_chunked_loss_equals_one_process(trainer_
     assert tp2["train/loss"] == pytest.approx(base["train/loss"], rel=1e-5)
     assert tp2["train/grad_norm"] == pytest.approx(base["train/grad_norm"], rel=1e-4)
     assert load_file(str(out / "hf" / "model.safetensors"))  # the sharded model saves as one HF model
+
+
+def test_logged_loss_metrics_do_not_depend_on_the_micro_batch_size(trainer_setup):
+    """sdpo/* and grpo/* are means over the whole step's tokens (or samples), and the losses the
+    step's sums: one sample per micro-batch logs what one micro-batch of all samples logs."""
+    _, hf, _, columns = trainer_setup
+    assert 0 < sum(columns["sample_mask"]) < len(columns["sample_mask"])  # some micro-batches have no active token
+    one, _ = train_in_process(hf, columns, {"micro_batch_size": 1})
+    whole, _ = train_in_process(hf, columns, {"micro_batch_size": len(columns["sample_id"])})
+    logged = [name for name in whole if name.startswith(("sdpo/", "grpo/", "loss/"))]
+    assert "sdpo/divergence_mean" in logged and "grpo/clip_fraction" in logged
+    for name in logged:
+        assert one[name] == pytest.approx(whole[name], rel=1e-5, abs=1e-7), name
+    assert not any(name.startswith("count/") for name in whole)

@@ -254,3 +254,45 @@ def test_policy_loss_rejects_unknown_modes():
         policy_loss(_inputs(), loss_type="ppo", blend_lambda=0.0, **LOSS_KWARGS)
     with pytest.raises(ValueError, match="1.5"):
         policy_loss(_inputs(), loss_type="blend", blend_lambda=1.5, **LOSS_KWARGS)
+
+
+def test_combined_metrics_are_the_means_over_the_whole_step():
+    """Counted metrics: the mean over every element of all micro-batches (an empty micro-batch adds
+    nothing); uncounted ones (loss shares): the sum."""
+    from sdpo_core.metrics import combine_metrics
+
+    parts = [
+        ({"sdpo/divergence_mean": 0.5, "sdpo/loss": 0.1}, {"sdpo/divergence_mean": 3.0}),
+        ({"sdpo/divergence_mean": 0.0, "sdpo/loss": 0.0}, {"sdpo/divergence_mean": 0.0}),
+        ({"sdpo/divergence_mean": 2.0, "sdpo/loss": 0.4}, {"sdpo/divergence_mean": 1.0}),
+    ]
+    out = combine_metrics(parts)
+    assert out["sdpo/divergence_mean"] == pytest.approx((0.5 * 3 + 2.0 * 1) / 4)
+    assert out["sdpo/loss"] == pytest.approx(0.5)
+    assert combine_metrics([({"m": 0.0}, {"m": 0.0})]) == {"m": 0.0}
+    with pytest.raises(ValueError, match="different metrics"):
+        combine_metrics([({"a": 1.0}, {}), ({"b": 1.0}, {})])
+
+
+def test_policy_loss_counts_what_each_metric_averages():
+    import torch
+
+    from sdpo_core.losses import LossInputs, policy_loss
+
+    b, t, k = 3, 4, 2
+    response_mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]], dtype=torch.bool)
+    sample_mask = torch.tensor([True, False, True])
+    logp = torch.full((b, t), -1.0)
+    topk = torch.log_softmax(torch.zeros(b, t, k + 1), dim=-1)[..., :k]
+    out = policy_loss(
+        LossInputs(student_topk_logprobs=topk, teacher_topk_logprobs=topk, student_token_logprobs=logp,
+                   old_token_logprobs=logp, teacher_token_logprobs=logp, advantages=torch.ones(b),
+                   response_mask=response_mask, sample_mask=sample_mask),
+        loss_type="blend", divergence="topk_tail", alpha=0.5, blend_lambda=0.5, is_clip=2.0,
+        reduction="dilute", aggregation="token-mean", clip_low=0.2, clip_high=0.2,
+    )
+    counts = out.metric_counts
+    assert counts["sdpo/divergence_mean"] == 7.0  # active tokens: samples 0 and 2
+    assert counts["sdpo/active_token_fraction"] == 9.0 and counts["sdpo/active_sample_fraction"] == 3.0
+    assert counts["grpo/clip_fraction"] == 9.0
+    assert not {"sdpo/loss", "grpo/loss", "loss/total"} & set(counts)
