@@ -33,10 +33,11 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tasks.data.bootstrap import build_model, build_tokenizer, prompt_ids  # noqa: E402
+from tasks.data.bootstrap_model import build_model, build_tokenizer, prompt_ids  # noqa: E402
 from tasks.config import SGLangConfig  # noqa: E402
 from tasks.engines.embedded import EmbeddedEngine  # noqa: E402
-from tasks.engines.sglang import SGLangEngine, checkpoint_weight_version  # noqa: E402
+from tasks.engines.sglang.client import SGLangEngine  # noqa: E402
+from tasks.engines.sglang.weights import checkpoint_weight_version  # noqa: E402
 
 logger = logging.getLogger("rollout_client_bench")
 

@@ -37,7 +37,7 @@ def vocabulary_size(cfg: RunConfig) -> int | None:
         if folder is None:
             return None
     else:
-        from tasks.data.bootstrap import bootstrap_vocabulary_size
+        from tasks.data.bootstrap_model import bootstrap_vocabulary_size
 
         return bootstrap_vocabulary_size()
     from transformers import AutoTokenizer

@@ -32,7 +32,7 @@ def get_engine(rollout: RolloutConfig, policy_dir: Path, *, cache_key: str) -> A
 
             engine = EmbeddedEngine(str(policy_dir), max_batch_size=rollout.batch_size)
         else:
-            from tasks.engines.sglang import SGLangEngine
+            from tasks.engines.sglang.client import SGLangEngine
 
             cfg = rollout.sglang
             engine = SGLangEngine(

@@ -73,7 +73,7 @@ def write_training_inputs(root: Path) -> tuple[Path, Path, dict]:
     """
     import pickle
 
-    from tasks.data.bootstrap import build_model, build_tokenizer
+    from tasks.data.bootstrap_model import build_model, build_tokenizer
 
     hf = root / "hf"
     tokenizer = build_tokenizer(hf)
@@ -112,7 +112,7 @@ def write_synthetic_run(
     from storage.schemas import ROLLOUT
     from storage.shards import Ragged, write_stage
     from storage.synthetic import synthetic_columns, synthetic_topk
-    from tasks.data.bootstrap import build_tokenizer
+    from tasks.data.bootstrap_model import build_tokenizer
     from tasks.config import load_config, to_dict
 
     cfg = load_config(None, [f"name={name}", f"storage.root={root}", f"storage.cache_dir={local_dir / 'cache'}"])

@@ -1,7 +1,8 @@
-"""A from-scratch demo policy: character tokenizer, tiny causal LM, and a short supervised warm-up.
+"""The demo policy's supervised warm-up, and `bootstrap_checkpoint`, which builds, warms up and saves it.
 
-The warm-up makes the self-teacher much stronger than the student, which is the gap SDPO distils.
-It trains on three kinds of examples, with the loss on the answer tokens only:
+The model and its tokenizer are `tasks.data.bootstrap_model`'s. The warm-up makes the
+self-teacher much stronger than the student, which is the gap SDPO distils. It trains on three
+kinds of examples, with the loss on the answer tokens only:
 
 - plain prompts ("37+45=" -> "82"): the student format; few of them, so the student learns the
   shape of an answer (digits, then the end-of-turn token) but not yet addition;
@@ -10,11 +11,6 @@ It trains on three kinds of examples, with the loss on the answer tokens only:
 
 Reading the answer out of the context is learnt in a few hundred steps, addition is not; so the
 teacher's greedy accuracy ends high while the student's stays low.
-
-The tokenizer is character-level, except that the fixed phrases of the chat template, the teacher
-templates and the verifier's feedback are single tokens: teacher prompts then stay ~40 tokens
-instead of ~170, which keeps warm-up and SDPO steps fast on a CPU. Any other text (including any
-phrase if the templates change later) falls back to characters.
 """
 
 from __future__ import annotations
@@ -22,24 +18,16 @@ from __future__ import annotations
 import logging
 import math
 import random
-import re
-import string
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from tasks.data.bootstrap_model import build_model, build_tokenizer, prompt_ids
+
 __all__ = [
-    "CHAT_TEMPLATE",
-    "PAD_TOKEN",
-    "IM_START",
-    "IM_END",
-    "UNK_TOKEN",
     "DEFAULT_WARMUP_MIX",
-    "phrase_tokens",
-    "prompt_ids",
-    "bootstrap_vocabulary_size",
-    "build_tokenizer",
-    "build_model",
+    "WarmupSchedule",
     "wrong_answer",
     "warmup_messages",
     "warm_up",
@@ -49,151 +37,32 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-PAD_TOKEN = "<|endoftext|>"
-IM_START = "<|im_start|>"
-IM_END = "<|im_end|>"
-UNK_TOKEN = "<unk>"
-SPECIAL_TOKENS = (PAD_TOKEN, IM_START, IM_END, UNK_TOKEN)
-CHARACTERS = string.digits + string.ascii_letters + string.punctuation + " \n\t"
-ROLES = ("system", "user", "assistant")
-
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
-
 WarmupKind = Literal["plain", "solution", "feedback"]
 WARMUP_KINDS: tuple[WarmupKind, ...] = ("plain", "solution", "feedback")
 # Few plain examples: enough for the answer format, too few to learn addition within the warm-up.
 DEFAULT_WARMUP_MIX: dict[str, float] = {"plain": 0.15, "solution": 0.35, "feedback": 0.5}
 
 
-# --------------------------------------------------------------------------- tokenizer
+@dataclass(frozen=True, kw_only=True)
+class WarmupSchedule:
+    """How long and how hard the warm-up trains, and its mix of example kinds (checked here)."""
 
+    steps: int
+    batch_size: int
+    lr: float
+    mix: dict[str, float]
 
-def phrase_tokens() -> list[str]:
-    """Fixed phrases that get one token each: role names and the literal lines of the templates."""
-    from sdpo_core import teacher_context as tc
-    from sdpo_core.verifiers import arithmetic
-
-    templates = [
-        tc.SOLUTION_TEMPLATE,
-        tc.FEEDBACK_TEMPLATE,
-        tc.REPROMPT_TEMPLATE,
-        tc.RELAX_SOLUTION_BLOCK,
-        tc.RELAX_FEEDBACK_BLOCK,
-        tc.RELAX_FINAL_LINE,
-    ]
-    phrases = list(ROLES)
-    for template in templates:
-        for piece in re.split(r"\{[A-Za-z_][A-Za-z0-9_]*\}", template):
-            phrases += [line.strip() for line in piece.split("\n") if line.strip()]
-    phrases += [arithmetic.WRONG_ANSWER, arithmetic.YOUR_OUTPUT, arithmetic.EXPECTED]
-    phrases += [arithmetic.FORMAT_ERROR, arithmetic.TRUNCATED]
-    return list(dict.fromkeys(p for p in phrases if len(p) > 1))
-
-
-def bootstrap_vocabulary_size() -> int:
-    """len() of the tokenizer `build_tokenizer` writes, without building it."""
-    return len(SPECIAL_TOKENS) + len(CHARACTERS) + len(phrase_tokens())
-
-
-def build_tokenizer(out_dir: str | Path) -> Any:
-    """Write the demo tokenizer (with its ChatML-style chat template) to `out_dir`; return it reloaded.
-
-    Vocabulary: the special tokens, every printable ASCII character plus space, newline and tab,
-    and `phrase_tokens()`. Other characters map to `<unk>`. The returned tokenizer is the one read
-    back by `AutoTokenizer`, so callers use exactly what is on disk.
-    """
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
-    vocab = {token: i for i, token in enumerate([*SPECIAL_TOKENS, *CHARACTERS])}
-    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK_TOKEN))
-    core.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    core.decoder = decoders.Fuse()
-    core.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
-    core.add_tokens([AddedToken(p, special=False, normalized=False) for p in phrase_tokens()])
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=core,
-        eos_token=IM_END,
-        pad_token=PAD_TOKEN,
-        unk_token=UNK_TOKEN,
-        chat_template=CHAT_TEMPLATE,
-        model_max_length=4096,
-    )
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer.save_pretrained(out_dir)
-    return AutoTokenizer.from_pretrained(out_dir)
-
-
-def prompt_ids(tokenizer: Any, messages: list[dict] | tuple[dict, ...]) -> list[int]:
-    """Token ids of a chat prompt, ending in the assistant header."""
-    out = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True, return_dict=True)
-    return [int(i) for i in out["input_ids"]]
-
-
-# --------------------------------------------------------------------------- model
-
-
-def build_model(
-    tokenizer: Any,
-    *,
-    hidden: int,
-    layers: int,
-    heads: int,
-    kv_heads: int,
-    intermediate: int,
-    max_positions: int,
-    seed: int,
-    architecture: Literal["qwen3", "llama"] = "qwen3",
-    tie_embeddings: bool = False,
-) -> Any:
-    """A randomly initialised causal LM sized for `tokenizer` (Qwen3 by default: it has q/k norms).
-
-    Embeddings are untied by default so that weight conversion maps `lm_head` one to one. The
-    global torch RNG is left as it was.
-    """
-    import torch
-    from transformers import (
-        LlamaConfig,
-        LlamaForCausalLM,
-        Qwen3Config,
-        Qwen3ForCausalLM,
-    )
-
-    if hidden % heads or heads % kv_heads:
-        raise ValueError(f"need hidden % heads == 0 and heads % kv_heads == 0, got {hidden=}, {heads=}, {kv_heads=}")
-    common = dict(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden,
-        intermediate_size=intermediate,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        head_dim=hidden // heads,
-        max_position_embeddings=max_positions,
-        tie_word_embeddings=tie_embeddings,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=None,
-    )
-    if architecture == "qwen3":
-        config, cls = Qwen3Config(**common), Qwen3ForCausalLM
-    elif architecture == "llama":
-        config, cls = LlamaConfig(**common), LlamaForCausalLM
-    else:
-        raise ValueError(f"architecture must be 'qwen3' or 'llama', got {architecture!r}")
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = cls(config)
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    logger.info("built %s with %d parameters", cls.__name__, sum(p.numel() for p in model.parameters()))
-    return model
+    def __post_init__(self) -> None:
+        if self.steps < 0 or self.batch_size < 1 or self.lr <= 0:
+            raise ValueError(
+                f"need steps >= 0, batch_size >= 1, lr > 0; got steps={self.steps}, "
+                f"batch_size={self.batch_size}, lr={self.lr}"
+            )
+        unknown = sorted(set(self.mix) - set(WARMUP_KINDS))
+        if unknown or any(w < 0 for w in self.mix.values()) or sum(self.mix.values()) <= 0:
+            raise ValueError(
+                f"mix must map a subset of {WARMUP_KINDS} to non-negative weights with a positive sum, got {self.mix}"
+            )
 
 
 # --------------------------------------------------------------------------- warm-up data
@@ -247,34 +116,27 @@ def warm_up(
     model: Any,
     tokenizer: Any,
     data: list[dict],
+    schedule: WarmupSchedule,
     *,
-    steps: int,
-    batch_size: int,
-    lr: float,
     seed: int,
-    mix: dict[str, float] | None = None,
     num_threads: int | None = None,
     progress: bool = True,
 ) -> dict[str, float]:
     """Supervised warm-up on `data` rows (prompt_messages, label); trains `model` in place.
 
-    Each example's kind is drawn with weights `mix` (default `DEFAULT_WARMUP_MIX`). The answer is the label followed by the end-of-turn token. AdamW with a linear warm-up
-    over the first 5% of steps, then cosine decay to 10% of `lr`. `num_threads` sets torch's
-    intra-op threads for the duration (restored afterwards). Returns `bootstrap/*` metrics.
+    Each example's kind is drawn with weights `schedule.mix`. The answer is the label followed by
+    the end-of-turn token. AdamW with a linear warm-up over the first 5% of `schedule.steps`, then
+    cosine decay to 10% of `schedule.lr`. `num_threads` sets torch's intra-op threads for the
+    duration (restored afterwards). Returns `bootstrap/*` metrics.
     """
     import torch
     from tqdm.auto import tqdm
 
-    if steps < 0 or batch_size < 1 or lr <= 0:
-        raise ValueError(f"need steps >= 0, batch_size >= 1, lr > 0; got {steps=}, {batch_size=}, {lr=}")
     if not data:
         raise ValueError("warm-up data is empty")
-    weights = dict(DEFAULT_WARMUP_MIX if mix is None else mix)
-    unknown = sorted(set(weights) - set(WARMUP_KINDS))
-    if unknown or any(w < 0 for w in weights.values()) or sum(weights.values()) <= 0:
-        raise ValueError(f"mix must map a subset of {WARMUP_KINDS} to non-negative weights with a positive sum, got {weights}")
-    kinds = [k for k in WARMUP_KINDS if weights.get(k, 0) > 0]
-    kind_weights = [weights[k] for k in kinds]
+    steps, batch_size, lr = schedule.steps, schedule.batch_size, schedule.lr
+    kinds = [k for k in WARMUP_KINDS if schedule.mix.get(k, 0) > 0]
+    kind_weights = [schedule.mix[k] for k in kinds]
 
     previous_threads = torch.get_num_threads()
     if num_threads is not None:
@@ -413,6 +275,9 @@ def bootstrap_checkpoint(
     template), loadable with `AutoModelForCausalLM` / `AutoTokenizer`. Accuracies are greedy, on
     the first `num_eval` of `eval_rows` (problems the warm-up never saw).
     """
+    schedule = WarmupSchedule(
+        steps=steps, batch_size=batch_size, lr=lr, mix=dict(DEFAULT_WARMUP_MIX if mix is None else mix)
+    )
     out_dir = Path(out_dir)
     tokenizer = build_tokenizer(out_dir)
     model = build_model(
@@ -426,18 +291,7 @@ def bootstrap_checkpoint(
         seed=seed,
         architecture=architecture,
     )
-    metrics = warm_up(
-        model,
-        tokenizer,
-        train_rows,
-        steps=steps,
-        batch_size=batch_size,
-        lr=lr,
-        seed=seed,
-        mix=mix,
-        num_threads=num_threads,
-        progress=progress,
-    )
+    metrics = warm_up(model, tokenizer, train_rows, schedule, seed=seed, num_threads=num_threads, progress=progress)
     model.save_pretrained(out_dir)
     metrics["bootstrap/parameters"] = float(sum(p.numel() for p in model.parameters()))
     metrics.update(greedy_accuracies(out_dir, eval_rows[:num_eval], seed=seed))

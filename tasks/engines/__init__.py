@@ -1,10 +1,7 @@
 """Rollout engines and the teacher scorer.
 
-`base` defines the engine interface (`RolloutEngine`, `Generation`); `embedded` runs an HF model in
-process; `scorer` runs teacher prefill. Modules import torch/transformers lazily where they can, so
-importing this package stays light.
+`base` defines the engine interface (`RolloutEngine`, `SamplingParams`, `Generation`);
+`embedded` runs an HF model in process; the package `sglang` is the client of SGLang servers;
+`scorer` runs teacher prefill. This package exports nothing: import from the module that holds a
+name. Modules import torch/transformers lazily where they can, so importing one stays light.
 """
-
-from tasks.engines.base import FinishReason, Generation, RolloutEngine
-
-__all__ = ["FinishReason", "Generation", "RolloutEngine"]

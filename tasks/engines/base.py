@@ -15,12 +15,13 @@ Conventions every engine follows:
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Literal, Protocol, runtime_checkable
+from typing import Literal
 
 import numpy as np
 
-__all__ = ["FinishReason", "Generation", "RolloutEngine"]
+__all__ = ["FinishReason", "Generation", "RolloutEngine", "SamplingParams"]
 
 FinishReason = Literal["stop", "length"]
 
@@ -49,9 +50,40 @@ class Generation:
             raise ValueError(f"finish_reason must be 'stop' or 'length', got {self.finish_reason!r}")
 
 
-@runtime_checkable
-class RolloutEngine(Protocol):
-    """Samples responses from the current policy weights."""
+@dataclass(frozen=True, kw_only=True)
+class SamplingParams:
+    """The sampling settings of one `generate` call, checked once for every engine."""
+
+    n: int
+    temperature: float
+    top_p: float
+    max_new_tokens: int
+    stop_token_ids: list[int]
+    top_k_logprobs: int
+    seed: int
+
+    def __post_init__(self) -> None:
+        if self.n < 1 or self.max_new_tokens < 1:
+            raise ValueError(
+                f"need n >= 1 and max_new_tokens >= 1, got n={self.n}, max_new_tokens={self.max_new_tokens}"
+            )
+        if self.seed < 0:
+            raise ValueError(f"seed must be >= 0, got {self.seed}")
+        if self.temperature < 0 or not 0 < self.top_p <= 1:
+            raise ValueError(
+                f"need temperature >= 0 and 0 < top_p <= 1, got temperature={self.temperature}, top_p={self.top_p}"
+            )
+        if self.top_k_logprobs < 0:
+            raise ValueError(f"top_k_logprobs must be >= 0, got {self.top_k_logprobs}")
+
+
+class RolloutEngine(ABC):
+    """Samples responses from the current policy weights.
+
+    `generate` is the same for every engine: it checks its arguments and hands them to the
+    engine's `_sample` as one `SamplingParams`; engines add only the checks their backend needs
+    (the embedded engine: the model's vocabulary and context length).
+    """
 
     def generate(
         self,
@@ -72,17 +104,33 @@ class RolloutEngine(Protocol):
         0 means greedy decoding. For a fixed seed and weights the result is reproducible.
         `progress` shows a progress bar.
         """
-        ...
+        params = SamplingParams(
+            n=n,
+            temperature=temperature,
+            top_p=top_p,
+            max_new_tokens=max_new_tokens,
+            stop_token_ids=[int(t) for t in stop_token_ids],
+            top_k_logprobs=top_k_logprobs,
+            seed=seed,
+        )
+        for i, prompt in enumerate(prompts):
+            if len(prompt) == 0:
+                raise ValueError(f"prompt {i} is empty")
+        return self._sample(prompts, params, progress=progress)
 
+    @abstractmethod
+    def _sample(self, prompts: list[list[int]], params: SamplingParams, *, progress: bool) -> list[list[Generation]]:
+        """`generate` after its arguments are checked: prompts are non-empty, `params` valid."""
+
+    @abstractmethod
     def load_weights(self, checkpoint_dir: str) -> None:
         """Replace the policy weights with those of an HF checkpoint folder (same architecture)."""
-        ...
 
     @property
+    @abstractmethod
     def weight_version(self) -> str:
         """An identifier of the weights now loaded (the checkpoint they came from)."""
-        ...
 
+    @abstractmethod
     def close(self) -> None:
         """Release the engine's resources; the engine is unusable afterwards."""
-        ...

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tasks.engines.base import Generation
+from tasks.engines.base import Generation, RolloutEngine, SamplingParams
 
 __all__ = ["EmbeddedEngine"]
 
@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 _PAD_ID = 0  # what fills padded slots; they are masked out, so any valid id works
 
 
-class EmbeddedEngine:
+class EmbeddedEngine(RolloutEngine):
     """A `RolloutEngine` running an HF `AutoModelForCausalLM` in this process."""
 
     def __init__(
@@ -72,35 +72,16 @@ class EmbeddedEngine:
         self._model = None
 
     @torch.no_grad()
-    def generate(
-        self,
-        prompts: list[list[int]],
-        *,
-        n: int,
-        temperature: float,
-        top_p: float,
-        max_new_tokens: int,
-        stop_token_ids: list[int],
-        top_k_logprobs: int,
-        seed: int,
-        progress: bool = False,
-    ) -> list[list[Generation]]:
+    def _sample(self, prompts: list[list[int]], params: SamplingParams, *, progress: bool) -> list[list[Generation]]:
         from tqdm.auto import tqdm
 
         model = self.model
         vocab_size = model.config.vocab_size
         max_positions = model.config.max_position_embeddings
-        if n < 1 or max_new_tokens < 1:
-            raise ValueError(f"need n >= 1 and max_new_tokens >= 1, got {n=}, {max_new_tokens=}")
-        if seed < 0:
-            raise ValueError(f"seed must be >= 0, got {seed}")
-        if temperature < 0 or not 0 < top_p <= 1:
-            raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature=}, {top_p=}")
-        if not 0 <= top_k_logprobs <= vocab_size:
-            raise ValueError(f"top_k_logprobs={top_k_logprobs} must be in [0, vocab_size={vocab_size}]")
+        n, max_new_tokens, seed = params.n, params.max_new_tokens, params.seed
+        if params.top_k_logprobs > vocab_size:
+            raise ValueError(f"top_k_logprobs={params.top_k_logprobs} must be in [0, vocab_size={vocab_size}]")
         for i, prompt in enumerate(prompts):
-            if len(prompt) == 0:
-                raise ValueError(f"prompt {i} is empty")
             if len(prompt) + max_new_tokens > max_positions:
                 raise ValueError(
                     f"prompt {i} has {len(prompt)} tokens; with max_new_tokens={max_new_tokens} it exceeds "
@@ -113,16 +94,16 @@ class EmbeddedEngine:
         for start in tqdm(starts, desc="rollout", unit="batch", disable=not progress):
             chunk = jobs[start : start + self._max_batch_size]
             uniforms = None
-            if temperature > 0:
+            if params.temperature > 0:
                 uniforms = np.stack([np.random.default_rng([seed, i, j]).random(max_new_tokens) for i, j in chunk])
             generations = self._generate_batch(
                 [prompts[i] for i, _ in chunk],
                 uniforms=uniforms,
-                temperature=temperature,
-                top_p=top_p,
+                temperature=params.temperature,
+                top_p=params.top_p,
                 max_new_tokens=max_new_tokens,
-                stop_token_ids=stop_token_ids,
-                top_k=top_k_logprobs,
+                stop_token_ids=params.stop_token_ids,
+                top_k=params.top_k_logprobs,
             )
             for (i, _), generation in zip(chunk, generations, strict=True):
                 results[i].append(generation)

@@ -6,17 +6,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from sdpo_core.teacher_context import FEEDBACK_TEMPLATE, REPROMPT_TEMPLATE, SOLUTION_TEMPLATE, build_teacher_messages
 from sdpo_core.verifiers.arithmetic import FORMAT_ERROR, TRUNCATED
-from tasks.data.bootstrap import (
-    IM_END,
-    UNK_TOKEN,
-    bootstrap_checkpoint,
-    build_model,
-    build_tokenizer,
-    phrase_tokens,
-    prompt_ids,
-    warmup_messages,
-    wrong_answer,
-)
+from tasks.data.bootstrap import bootstrap_checkpoint, warmup_messages, wrong_answer
+from tasks.data.bootstrap_model import IM_END, UNK_TOKEN, build_model, build_tokenizer, phrase_tokens, prompt_ids
 from tasks.data.demo import make_splits
 
 TEXTS = [

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import torch
 
-from tasks.data.bootstrap import build_model, build_tokenizer, prompt_ids
+from tasks.data.bootstrap_model import build_model, build_tokenizer, prompt_ids
 from tasks.engines.base import Generation, RolloutEngine
 from tasks.engines.embedded import EmbeddedEngine
 

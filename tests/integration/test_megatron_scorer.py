@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    from tasks.data.bootstrap import build_model, build_tokenizer
+    from tasks.data.bootstrap_model import build_model, build_tokenizer
 
     root = tmp_path_factory.mktemp("megatron_scorer")
     dirs = {}

@@ -113,7 +113,7 @@ def test_a_storage_root_that_is_a_file_is_named(workdir):
 
 
 def test_the_bootstrap_vocabulary_size_is_the_tokenizers(tmp_path):
-    from tasks.data.bootstrap import bootstrap_vocabulary_size, build_tokenizer
+    from tasks.data.bootstrap_model import bootstrap_vocabulary_size, build_tokenizer
 
     assert bootstrap_vocabulary_size() == len(build_tokenizer(tmp_path))
 

@@ -19,20 +19,19 @@ import numpy as np
 import pytest
 import torch
 
-from tasks.data.bootstrap import build_model, build_tokenizer, prompt_ids
+from tasks.data.bootstrap_model import build_model, build_tokenizer, prompt_ids
 from tasks.config import SGLangConfig
 from tasks.engines.base import RolloutEngine
 from tasks.engines.embedded import EmbeddedEngine
-from tasks.engines.sglang import (
-    SGLangEngine,
+from tasks.engines.sglang.client import SGLangEngine
+from tasks.engines.sglang.errors import (
     SGLangLogprobError,
     SGLangRequestError,
     SGLangUnavailableError,
     SGLangWeightVersionError,
-    checkpoint_weight_version,
-    sample_seed,
-    split_sample_seed,
 )
+from tasks.engines.sglang.schema import sample_seed, split_sample_seed
+from tasks.engines.sglang.weights import checkpoint_weight_version
 from tests.sglang_server.app import Fault, start_server
 
 MESSAGES = [

@@ -17,7 +17,7 @@ def test_two_servers_behind_the_router_serve_the_run_and_follow_every_weight_upd
     from storage.layout import RunLayout
     from storage.manifest import read_latest
     from tasks.prepare_base import bootstrap_cache_dir
-    from tasks.engines.sglang import checkpoint_weight_version
+    from tasks.engines.sglang.weights import checkpoint_weight_version
     from tasks.runtime import open_run
 
     embedded = write_config(tmp_path, "embedded")
@@ -78,7 +78,8 @@ def test_the_client_waits_until_the_router_has_registered_its_workers(tmp_path):
     import threading
 
     from tasks.config import SGLangConfig
-    from tasks.engines.sglang import SGLangEngine, checkpoint_weight_version
+    from tasks.engines.sglang.client import SGLangEngine
+    from tasks.engines.sglang.weights import checkpoint_weight_version
     from tests.integration.test_sglang_client import make_checkpoint
     from tests.sglang_server.app import Fault
 

@@ -253,7 +253,7 @@ def test_view_command_is_what_the_cli_accepts(run_root, monkeypatch):
 
 
 def test_the_hover_keeps_the_teachers_favourite_when_k_is_large(tmp_path):
-    from tasks.data.bootstrap import build_tokenizer
+    from tasks.data.bootstrap_model import build_tokenizer
     from tasks.viewer.samples import HOVER_TOP, response_tokens
 
     tokenizer = build_tokenizer(tmp_path / "tok")

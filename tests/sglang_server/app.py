@@ -37,8 +37,8 @@ Where it differs from SGLang, on purpose: no streaming, no multimodal inputs, no
 than -1/1 and no `min_p` (400); unknown sampling parameters are rejected (400) instead of
 crashing; `input_*` log-probs are empty for `logprob_start_len = -1`. Sampling: a request with
 `sampling_seed` draws its uniforms like the embedded engine draws those of sample (seed, i, j),
-where `tasks.engines.sglang.split_sample_seed` unpacks the seed; so the SGLang client's rows equal
-the embedded engine's for the same seed. Requests that arrive together are batched.
+where `tasks.engines.sglang.schema.split_sample_seed` unpacks the seed; so the SGLang client's rows
+equal the embedded engine's for the same seed. Requests that arrive together are batched.
 
 Faults (at start-up, via `RunningServer.faults`, or `POST /_faults` with a `Fault` as JSON;
 `DELETE /_faults` clears them; `GET /_stats` counts requests and lists the weight updates):
@@ -254,7 +254,7 @@ class _Backend:
         """Draw `jobs` (all with one key) in one embedded-engine batch."""
         import torch
 
-        from tasks.engines.sglang import split_sample_seed
+        from tasks.engines.sglang.schema import split_sample_seed
 
         head = jobs[0]
         uniforms = None
