@@ -26,7 +26,6 @@ from typing import Any, Literal
 from tasks.data.bootstrap_model import build_model, build_tokenizer, prompt_ids
 
 __all__ = [
-    "DEFAULT_WARMUP_MIX",
     "WarmupSchedule",
     "wrong_answer",
     "warmup_messages",
@@ -40,8 +39,6 @@ logger = logging.getLogger(__name__)
 WarmupKind = Literal["plain", "solution", "feedback"]
 WARMUP_KINDS: tuple[WarmupKind, ...] = ("plain", "solution", "feedback")
 # Few plain examples: enough for the answer format, too few to learn addition within the warm-up.
-DEFAULT_WARMUP_MIX: dict[str, float] = {"plain": 0.15, "solution": 0.35, "feedback": 0.5}
-
 
 @dataclass(frozen=True, kw_only=True)
 class WarmupSchedule:
@@ -265,7 +262,7 @@ def bootstrap_checkpoint(
     intermediate: int,
     max_positions: int,
     num_eval: int,
-    mix: dict[str, float] | None = None,
+    mix: dict[str, float],
     num_threads: int | None = None,
     progress: bool = True,
 ) -> dict[str, float]:
@@ -276,7 +273,7 @@ def bootstrap_checkpoint(
     the first `num_eval` of `eval_rows` (problems the warm-up never saw).
     """
     schedule = WarmupSchedule(
-        steps=steps, batch_size=batch_size, lr=lr, mix=dict(DEFAULT_WARMUP_MIX if mix is None else mix)
+        steps=steps, batch_size=batch_size, lr=lr, mix=dict(mix)
     )
     out_dir = Path(out_dir)
     tokenizer = build_tokenizer(out_dir)

@@ -6,6 +6,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from sdpo_core.teacher_context import FEEDBACK_TEMPLATE, REPROMPT_TEMPLATE, SOLUTION_TEMPLATE, build_teacher_messages
 from sdpo_core.verifiers.arithmetic import FORMAT_ERROR, TRUNCATED
+from tasks.config import BootstrapConfig
 from tasks.data.bootstrap import bootstrap_checkpoint, warmup_messages, wrong_answer
 from tasks.data.bootstrap_model import IM_END, UNK_TOKEN, build_model, build_tokenizer, phrase_tokens, prompt_ids
 from tasks.data.demo import make_splits
@@ -134,6 +135,7 @@ def test_short_bootstrap_writes_a_loadable_checkpoint(tmp_path):
         intermediate=64,
         max_positions=128,
         num_eval=10,
+        mix=dict(BootstrapConfig().warmup_mix),
         progress=False,
     )
     for name in ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]:

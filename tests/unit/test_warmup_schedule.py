@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from tasks.data.bootstrap import DEFAULT_WARMUP_MIX, WarmupSchedule, bootstrap_checkpoint
+from tasks.config import BootstrapConfig
+from tasks.data.bootstrap import WarmupSchedule, bootstrap_checkpoint
+
+DEFAULT_WARMUP_MIX = dict(BootstrapConfig().warmup_mix)
 
 
 @pytest.mark.parametrize(
@@ -44,5 +47,6 @@ def test_bootstrap_checkpoint_writes_nothing_for_a_bad_schedule(tmp_path):
             intermediate=16,
             max_positions=32,
             num_eval=0,
+            mix=DEFAULT_WARMUP_MIX,
         )
     assert not out.exists()
