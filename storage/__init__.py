@@ -35,16 +35,9 @@ from storage.manifest import (
 )
 from storage.retry import RetryPolicy
 from storage.schemas import ROLLOUT, TEACHER, ShardSchema
-from storage.shards import (
-    Ragged,
-    ShardWriter,
-    ragged,
-    read_batches,
-    read_stage_columns,
-    read_table,
-    topk,
-    write_stage,
-)
+from storage.shard_columns import Ragged, ragged, topk
+from storage.shard_reader import read_batches, read_stage_columns, read_table
+from storage.shard_writer import ShardWriter, write_stage
 from storage.stages import StageOutput, read_eval, read_stage_file, write_eval, write_stage_manifest
 
 __all__ = [

@@ -4,8 +4,8 @@ Per-token top-K layout: `topk_ids` is `list<fixed_size_list<int32, K>>` and `top
 `list<fixed_size_list<float32|float16, K>>`: one K-vector per response token, candidates sorted by
 the student's logprob, descending. K is fixed per shard: it is part of the column type and also
 stored in the schema metadata (`sdpo.top_k`). Parquet writes them with BYTE_STREAM_SPLIT + zstd
-(see `storage.shards.parquet_options`); docs/storage.md has the measurements behind this choice.
-Readers get values [N_tokens, K] plus per-row token offsets (`storage.shards.topk`).
+(see `storage.shard_writer.parquet_options`); docs/storage.md has the measurements behind this choice.
+Readers get values [N_tokens, K] plus per-row token offsets (`storage.shard_columns.topk`).
 
 Invariants (checked by `check_rows` on every write):
 - non-nullable columns have no nulls; `finish_reason` is "stop" or "length"; `iteration` equals the

@@ -479,7 +479,7 @@ def restore_trainer(run: Run, iteration: int) -> MegatronTrainer:
     of the state, the shards and the seed); each replayed iteration is checked against the policy
     checkpoint it committed.
     """
-    from storage.shards import read_stage_columns
+    from storage.shard_reader import read_stage_columns
     from tasks.runtime import checkpoint_dir
 
     start = full_state_iteration(run, iteration)
@@ -608,7 +608,7 @@ def run_train(root: str, run_name: str, iteration: int) -> dict | None:
     from storage.faults import crash_point
     from storage.layout import CHECKPOINT_KINDS
     from storage.manifest import read_stage_manifest, stage_done
-    from storage.shards import read_stage_columns
+    from storage.shard_reader import read_stage_columns
     from storage.stages import write_stage_manifest
     from tasks.megatron.parallel import init_parallel
     from tasks.runtime import checkpoint_dir, open_run
