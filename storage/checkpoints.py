@@ -108,7 +108,7 @@ def upload_checkpoint(
     trained_refs = [verify_ref(layout, _ref(m)).ref for m in trained_on]
 
     started = time.monotonic()
-    entries = []
+    entries: list[dict[str, Any]] = []
     for path in files:
         name = path.relative_to(source).as_posix()
         url = join(layout.checkpoint_files_dir(n, kind), name)

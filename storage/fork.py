@@ -88,4 +88,5 @@ def read_fork(layout: RunLayout) -> dict[str, Any] | None:
     """The fork record of a run (its parent and the iteration it started from), or None for a run that was not forked."""
     if not layout.store.exists(layout.fork_json):
         return None
-    return json.loads(layout.store.read_bytes(layout.fork_json))
+    record: dict[str, Any] = json.loads(layout.store.read_bytes(layout.fork_json))
+    return record

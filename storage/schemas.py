@@ -173,7 +173,7 @@ def shard_format(arrow_schema: pa.Schema, *, where: str) -> ShardFormat:
         schema=meta[META_SCHEMA].decode(),
         version=int(meta[META_VERSION]),
         top_k=int(meta[META_TOP_K]),
-        logprob_dtype=meta[META_LOGPROB_DTYPE].decode(),  # type: ignore[arg-type]
+        logprob_dtype=meta[META_LOGPROB_DTYPE].decode(),
     )
 
 
@@ -197,7 +197,8 @@ def check_shard_schema(expected: ShardSchema, arrow_schema: pa.Schema, *, where:
 # -- invariants ------------------------------------------------------------------------------
 def row_lengths(column: pa.Array) -> np.ndarray:
     """[N] int64 list lengths of a list column."""
-    return pc.list_value_length(column).to_numpy(zero_copy_only=False).astype(np.int64)
+    lengths: np.ndarray = pc.list_value_length(column).to_numpy(zero_copy_only=False).astype(np.int64)
+    return lengths
 
 
 def _fail(schema: ShardSchema, message: str, rows: np.ndarray) -> None:

@@ -55,7 +55,7 @@ def _hash_object(layout: RunLayout, url: str) -> str:
     return digest.hexdigest()
 
 
-_FIELDS = {
+_FIELDS: dict[str, dict[str, type]] = {
     "stage": {"files": list, "parents": list},
     "checkpoint": {"files": list, "trained_on": list},
     "iteration": {"stages": dict, "checkpoints": dict},
@@ -69,9 +69,10 @@ def _manifest(layout: RunLayout, url: str, report: Report) -> Manifest | None:
     except StorageError as exc:
         report.bad(url, str(exc))
         return None
-    fields = _FIELDS.get(manifest.data.get("kind"))
+    manifest_kind = manifest.data.get("kind")
+    fields = _FIELDS.get(manifest_kind) if isinstance(manifest_kind, str) else None
     if fields is None:
-        report.bad(url, f"field 'kind' is {manifest.data.get('kind')!r}, expected one of {sorted(_FIELDS)}")
+        report.bad(url, f"field 'kind' is {manifest_kind!r}, expected one of {sorted(_FIELDS)}")
         return None
     for name, kind in fields.items():
         if not isinstance(manifest.data.get(name), kind):

@@ -104,11 +104,11 @@ def extract_final_answer(text: str, *, allow_last_number: bool = False) -> str |
     boxed = _last_boxed(text)
     if boxed is not None and boxed.strip():
         return boxed.strip()
-    marked = _GSM8K.findall(text)
+    marked: list[str] = _GSM8K.findall(text)
     if marked and marked[-1].strip():
         return marked[-1].strip()
     if allow_last_number:
-        numbers = _LAST_NUMBER.findall(text)
+        numbers: list[str] = _LAST_NUMBER.findall(text)
         if numbers:
             return numbers[-1]
     return None

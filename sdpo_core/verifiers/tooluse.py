@@ -72,7 +72,7 @@ class _FormatError(ValueError):
     """The response cannot be read as tool calls; the message says why (shown as feedback)."""
 
 
-def parse_react_steps(response_text: str) -> list[tuple[str, dict]]:
+def parse_react_steps(response_text: str) -> list[tuple[str, dict[str, Any]]]:
     """Ordered (action, input) pairs; raises ValueError (with the reason) on malformed steps."""
     events: list[tuple[int, str, Any]] = []
     for m in _ACTION.finditer(response_text):
@@ -133,7 +133,7 @@ def _decode_json(parse: Any, what: str) -> Any:
     return value
 
 
-def _gold_steps(label: str) -> list[tuple[str, dict]]:
+def _gold_steps(label: str) -> list[tuple[str, dict[str, Any]]]:
     gold = json.loads(label)
     if not isinstance(gold, list):
         raise ValueError(f"a tool-use label must be a JSON list of steps, got {type(gold).__name__}")
@@ -149,7 +149,7 @@ def _gold_steps(label: str) -> list[tuple[str, dict]]:
     return steps
 
 
-def _step_issues(got: list[tuple[str, dict]], gold: list[tuple[str, dict]]) -> list[str]:
+def _step_issues(got: list[tuple[str, dict[str, Any]]], gold: list[tuple[str, dict[str, Any]]]) -> list[str]:
     issues = []
     for i, ((name, args), (gold_name, gold_args)) in enumerate(zip(got, gold)):
         where = f"Step {i + 1}"
@@ -321,7 +321,7 @@ def _accepted(value: Any, candidate: Any) -> bool:
         return value is candidate
     if isinstance(value, (int, float)) and isinstance(candidate, (int, float)):
         return value == candidate
-    return _normalise(value) == _normalise(candidate)
+    return bool(_normalise(value) == _normalise(candidate))
 
 
 def _show(value: Any) -> str:
@@ -329,7 +329,7 @@ def _show(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _call_issues(call: FunctionCall, expected: dict[str, list], schema: dict | None) -> list[str]:
+def _call_issues(call: FunctionCall, expected: dict[str, list[Any]], schema: dict[str, Any] | None) -> list[str]:
     issues = []
     properties = (schema or {}).get("parameters", {}).get("properties", {})
     for arg in call.arguments:
@@ -354,7 +354,7 @@ def _call_issues(call: FunctionCall, expected: dict[str, list], schema: dict | N
 
 
 def check_function_calls(
-    calls: list[FunctionCall], ground_truth: list[dict[str, dict[str, list]]], functions: list[dict]
+    calls: list[FunctionCall], ground_truth: list[dict[str, dict[str, list[Any]]]], functions: list[dict[str, Any]]
 ) -> list[str]:
     """The problems with `calls` against BFCL ground truth (empty list: all correct)."""
     schemas = {f["name"]: f for f in functions}
