@@ -63,9 +63,7 @@ def _check_masks(per_token: Tensor, response_mask: Tensor, sample_mask: Tensor) 
     if sample_mask.shape != per_token.shape[:1]:
         raise ValueError(f"sample_mask must be [B]={per_token.shape[0]}, got {tuple(sample_mask.shape)}")
     if response_mask.dtype != torch.bool or sample_mask.dtype != torch.bool:
-        raise TypeError(
-            f"masks must be bool, got response_mask {response_mask.dtype}, sample_mask {sample_mask.dtype}"
-        )
+        raise TypeError(f"masks must be bool, got response_mask {response_mask.dtype}, sample_mask {sample_mask.dtype}")
 
 
 def _check_modes(reduction: str, aggregation: str) -> None:
@@ -132,9 +130,7 @@ def masked_mean(
         tokens_per_sample = response_mask.sum(dim=1).clamp(min=1).to(values.dtype)  # [B]
         numerator = (values.sum(dim=1) / tokens_per_sample).sum()
     if denominator is None:
-        denominator = loss_denominator(
-            response_mask, sample_mask, reduction=reduction, aggregation=aggregation
-        )
+        denominator = loss_denominator(response_mask, sample_mask, reduction=reduction, aggregation=aggregation)
     denominator = torch.as_tensor(denominator, dtype=numerator.dtype, device=numerator.device)
     return numerator / denominator.clamp(min=1.0)
 
@@ -185,13 +181,10 @@ class LossInputs:
         for what, student, teacher in pairs:
             for side, value in (("student", student), ("teacher", teacher)):
                 if value is not None and (value.ndim != 3 or tuple(value.shape[:2]) != bt):
-                    raise ValueError(
-                        f"{side}_{what} must be [B, T, *] with [B, T]={bt}, got {tuple(value.shape)}"
-                    )
+                    raise ValueError(f"{side}_{what} must be [B, T, *] with [B, T]={bt}, got {tuple(value.shape)}")
             if student is not None and teacher is not None and student.shape != teacher.shape:
                 raise ValueError(
-                    f"student_{what} {tuple(student.shape)} and teacher_{what} "
-                    f"{tuple(teacher.shape)} differ in shape"
+                    f"student_{what} {tuple(student.shape)} and teacher_{what} {tuple(teacher.shape)} differ in shape"
                 )
         if self.response_mask.dtype != torch.bool or self.sample_mask.dtype != torch.bool:
             raise TypeError(

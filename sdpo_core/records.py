@@ -9,8 +9,8 @@ worker and serialised by `storage/` without knowing about the algorithm.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Literal, TypedDict, get_args
 
 

@@ -214,6 +214,7 @@ def substitute(template: str, values: Mapping[str, str]) -> str:
 
     Unlike `str.format`, inserted text is never re-scanned and braces anywhere else stay verbatim.
     """
+
     def replace(match: re.Match[str]) -> str:
         name = match.group(1)
         return values[name] if name in values else match.group(0)

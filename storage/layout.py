@@ -95,7 +95,7 @@ class RunLayout:
         prefix = self.run_url + "/"
         if not url.startswith(prefix):
             raise ValueError(f"{url} is not inside run {self.run_url}")
-        return url[len(prefix):]
+        return url[len(prefix) :]
 
     @property
     def local_dir(self) -> Path | None:

@@ -23,9 +23,7 @@ SHARD_COLUMN = "_shard"
 ROW_COLUMN = "_row"
 
 
-def read_index(
-    layout: RunLayout, n: int, stage: str, *, columns: Sequence[str], verify: bool = True
-) -> pa.Table:
+def read_index(layout: RunLayout, n: int, stage: str, *, columns: Sequence[str], verify: bool = True) -> pa.Table:
     """`columns` of every row of a committed stage, plus `_shard` and `_row` (int32) positions."""
     manifest = read_stage_manifest(layout, n, stage)
     expected = expected_schema(manifest, None)

@@ -23,7 +23,7 @@ import threading
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import IO, Any, Literal
+from typing import IO, Any
 
 from fsspec import AbstractFileSystem
 from fsspec.implementations.local import LocalFileSystem
@@ -32,11 +32,10 @@ from fsspec.implementations.memory import MemoryFileSystem
 from storage.errors import PreconditionFailedError, StorageIOError
 from storage.retry import RetryPolicy, call_with_retry
 from storage.scratch import tmp_sibling
-from storage.urls import protocol, resolve
+from storage.urls import Backend, protocol, resolve
 
 logger = logging.getLogger(__name__)
 
-Backend = Literal["file", "s3", "memory"]
 _MEMORY_LOCK = threading.RLock()  # memory:// is one dict per process: one lock makes its writes exclusive
 _HASH_CHUNK = 8 * 2**20
 
@@ -119,7 +118,7 @@ class ObjectStore:
     def __init__(self, url: str, *, storage_options: Mapping[str, Any] | None, retry: RetryPolicy) -> None:
         self.fs: AbstractFileSystem
         self.fs, _ = resolve(url, storage_options)
-        self.backend: Backend = protocol(url)  # type: ignore[assignment]
+        self.backend: Backend = protocol(url)
         self.retry = retry
         expected = {"file": LocalFileSystem, "memory": MemoryFileSystem}.get(self.backend)
         if expected is not None and not isinstance(self.fs, expected):

@@ -106,7 +106,12 @@ def call_with_retry(fn: Callable[[], T], *, policy: RetryPolicy, what: str) -> T
             delay = policy.delay(attempt)
             logger.warning(
                 "%s failed (attempt %d/%d): %s: %s; retrying in %.2fs",
-                what, attempt, policy.attempts, type(exc).__name__, exc, delay,
+                what,
+                attempt,
+                policy.attempts,
+                type(exc).__name__,
+                exc,
+                delay,
             )
             time.sleep(delay)
     raise AssertionError("unreachable")

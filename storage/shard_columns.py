@@ -34,7 +34,6 @@ class Ragged(NamedTuple):
     offsets: np.ndarray  # [N_rows + 1] int64, offsets[0] == 0
 
 
-
 # -- writer input ----------------------------------------------------------------------------
 def _check_messages(rows: Sequence[Any], name: str) -> None:
     for i, messages in enumerate(rows):
@@ -90,7 +89,6 @@ def to_arrow(column: Column, typ: pa.DataType, value: Any, *, top_k: int) -> pa.
     return pa.array(value, type=typ)
 
 
-
 # -- reader output ---------------------------------------------------------------------------
 def ragged(batch: pa.RecordBatch | pa.Table, column: str) -> Ragged:
     """(values [N_values], offsets [N_rows + 1]) of a list column; zero-copy where Arrow allows."""
@@ -114,7 +112,6 @@ def topk(batch: pa.RecordBatch | pa.Table, column: str) -> Ragged:
     return Ragged(values=values.reshape(-1, k), offsets=offsets - offsets[0])
 
 
-
 def infer_top_k(value: Any) -> int | None:
     if isinstance(value, Ragged):
         return int(np.asarray(value.values).shape[1])
@@ -125,7 +122,6 @@ def infer_top_k(value: Any) -> int | None:
         if len(shape) == 2 and shape[0] > 0:
             return int(shape[1])
     return None
-
 
 
 def split_rows(values: np.ndarray, offsets: np.ndarray) -> list[np.ndarray]:

@@ -103,7 +103,6 @@ def read_table(
     return pa.Table.from_batches(batches)
 
 
-
 def read_stage_columns(
     layout: RunLayout,
     n: int,

@@ -33,8 +33,13 @@ DEFAULT_ROWS_PER_SHARD = 4096
 DEFAULT_ROW_GROUP_SIZE = 256
 ZSTD_LEVEL = 1  # measured: levels 3-9 are no smaller on top-K data and up to 3x slower to write
 _DICTIONARY_COLUMNS = (
-    "prompt_id", "finish_reason", "label", "data_source", "teacher_source",
-    "prompt_messages.list.element.role", "prompt_messages.list.element.content",
+    "prompt_id",
+    "finish_reason",
+    "label",
+    "data_source",
+    "teacher_source",
+    "prompt_messages.list.element.role",
+    "prompt_messages.list.element.content",
 )
 
 
@@ -51,7 +56,6 @@ def parquet_options(schema: ShardSchema) -> dict[str, Any]:
         "use_dictionary": [c for c in _DICTIONARY_COLUMNS if c.split(".")[0] in schema.names],
         "column_encoding": {f"{name}.{leaf}": "BYTE_STREAM_SPLIT" for name, leaf in leaves.items()},
     }
-
 
 
 # -- writer ----------------------------------------------------------------------------------
@@ -99,8 +103,13 @@ class ShardWriter:
         self._closed = False
         self.rows_written = 0
         stage._register_writer(
-            {"name": schema.name, "version": schema.version, "top_k": top_k,
-             "logprob_dtype": logprob_dtype, "topk_layout": TOPK_LAYOUT}
+            {
+                "name": schema.name,
+                "version": schema.version,
+                "top_k": top_k,
+                "logprob_dtype": logprob_dtype,
+                "topk_layout": TOPK_LAYOUT,
+            }
         )
 
     def __enter__(self) -> ShardWriter:
@@ -233,7 +242,6 @@ class ShardWriter:
         self.stage._writer_closed()
 
 
-
 def write_stage(
     layout: RunLayout,
     n: int,
@@ -258,7 +266,13 @@ def write_stage(
     if k is None:
         raise ValueError(f"cannot infer top_k for {stage} of iteration {n} from empty topk_ids; pass top_k")
     output = StageOutput(layout, n, stage)
-    with ShardWriter(output, STAGE_SCHEMAS[stage], top_k=k, logprob_dtype=logprob_dtype,
-                     rows_per_shard=rows_per_shard, row_group_size=row_group_size) as writer:
+    with ShardWriter(
+        output,
+        STAGE_SCHEMAS[stage],
+        top_k=k,
+        logprob_dtype=logprob_dtype,
+        rows_per_shard=rows_per_shard,
+        row_group_size=row_group_size,
+    ) as writer:
         writer.write(columns)
     return output.commit(parents=parents, metrics=metrics, timings=timings)

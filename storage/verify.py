@@ -160,7 +160,9 @@ def _check_latest(layout: RunLayout, report: Report) -> None:
     if pointer.get("manifest") != expected:
         report.bad(layout.latest, f"names {pointer.get('manifest')!r}, expected {expected!r}")
         return
-    _check_ref(layout, {"path": expected, "sha256": str(pointer.get("sha256"))}, layout.latest, report, "iteration manifest")
+    _check_ref(
+        layout, {"path": expected, "sha256": str(pointer.get("sha256"))}, layout.latest, report, "iteration manifest"
+    )
 
 
 def verify_run(layout: RunLayout, *, progress: Callable[[int], None] = lambda _: None) -> Report:
@@ -217,4 +219,3 @@ def _listed_bytes(layout: RunLayout, url: str) -> int:
     except (ValueError, UnicodeDecodeError):
         return 0
     return sum(int(f.get("bytes", 0)) for f in data.get("files", []))
-
