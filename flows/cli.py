@@ -78,7 +78,7 @@ def prefect_local_mode(run_name: str):
         yield
 
 
-def _fail(message: str) -> None:
+def _fail(message: str | None) -> None:
     typer.secho(message, fg=typer.colors.RED, err=True)
     raise typer.Exit(2)
 
