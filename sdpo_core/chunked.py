@@ -81,7 +81,7 @@ def _spans(total: int, size: int) -> list[tuple[int, int]]:
 
 class _ChunkedTokenLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         logits: Tensor,
         rows: Tensor,
@@ -118,7 +118,7 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         return picked - lse[:, None]
 
     @staticmethod
-    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
         logits, rows, local_ids, inside, lse = ctx.saved_tensors
         valid, chunk_tokens, chunk_vocab, compile = ctx.config
         _, grad_fn = _tile_fns(compile)
@@ -182,7 +182,8 @@ def chunked_token_logprobs(
             raise ValueError(f"rows outside [0, {logits.shape[0]}): min {int(rows.min())}, max {int(rows.max())}")
         if torch.unique(rows).numel() != rows.numel():
             raise ValueError("rows must be distinct (each scored position once)")
-    return _ChunkedTokenLogprobs.apply(
+    # torch declares Function.apply without annotations (`apply(cls, *args, **kwargs)`).
+    out: Tensor = _ChunkedTokenLogprobs.apply(  # type: ignore[no-untyped-call]
         logits,
         rows.long(),
         ids.long(),
@@ -193,6 +194,7 @@ def chunked_token_logprobs(
         reducer,
         bool(compile),
     )
+    return out
 
 
 def reference_token_logprobs(logits: Tensor, rows: Tensor, ids: Tensor, *, vocab_size: int | None = None) -> Tensor:

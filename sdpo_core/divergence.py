@@ -37,16 +37,12 @@ def _compute_dtype(tensor: Tensor) -> Tensor:
 
 def _check_alpha(alpha: float) -> None:
     if not 0.0 <= alpha <= 1.0:
-        raise ValueError(
-            f"alpha={alpha} is outside [0, 1] (0 = KL(teacher||student), 1 = KL(student||teacher))"
-        )
+        raise ValueError(f"alpha={alpha} is outside [0, 1] (0 = KL(teacher||student), 1 = KL(student||teacher))")
 
 
 def _check_same_shape(student: Tensor, teacher: Tensor, *, what: str) -> None:
     if student.shape != teacher.shape:
-        raise ValueError(
-            f"{what}: student shape {tuple(student.shape)} != teacher shape {tuple(teacher.shape)}"
-        )
+        raise ValueError(f"{what}: student shape {tuple(student.shape)} != teacher shape {tuple(teacher.shape)}")
 
 
 def _kl(log_a: Tensor, log_b: Tensor) -> Tensor:
@@ -86,9 +82,7 @@ def generalized_jsd(student_logprobs: Tensor, teacher_logprobs: Tensor, *, alpha
     return (1.0 - alpha) * _kl(log_p, log_m) + alpha * _kl(log_q, log_m)
 
 
-def topk_divergence(
-    student_logprobs: Tensor, teacher_logprobs: Tensor, *, alpha: float, tail: bool
-) -> Tensor:
+def topk_divergence(student_logprobs: Tensor, teacher_logprobs: Tensor, *, alpha: float, tail: bool) -> Tensor:
     """D_alpha on the student's top-K ids: [..., K] x [..., K] -> [...].
 
     Both inputs are full-vocabulary log-probabilities of the same K token ids. With `tail`, each side

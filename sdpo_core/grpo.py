@@ -9,9 +9,7 @@ from torch import Tensor
 LOG_RATIO_CLAMP = 20.0
 
 
-def group_advantages(
-    rewards: Tensor, group_ids: Tensor, *, normalize_std: bool, eps: float = 1e-6
-) -> Tensor:
+def group_advantages(rewards: Tensor, group_ids: Tensor, *, normalize_std: bool, eps: float = 1e-6) -> Tensor:
     """Reward minus its group's mean, optionally divided by the group's std: [N] -> [N].
 
     Groups are the samples sharing an integer id; ids need not be contiguous or sorted. The std is
@@ -42,9 +40,7 @@ def group_advantages(
     return centered / (variance.sqrt()[index] + eps)
 
 
-def _check_token_shapes(
-    logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, response_mask: Tensor
-) -> None:
+def _check_token_shapes(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, response_mask: Tensor) -> None:
     if logprobs.ndim != 2 or old_logprobs.shape != logprobs.shape or response_mask.shape != logprobs.shape:
         raise ValueError(
             f"logprobs, old_logprobs and response_mask must share one [B, T] shape, got "

@@ -63,9 +63,7 @@ def _check_masks(per_token: Tensor, response_mask: Tensor, sample_mask: Tensor) 
     if sample_mask.shape != per_token.shape[:1]:
         raise ValueError(f"sample_mask must be [B]={per_token.shape[0]}, got {tuple(sample_mask.shape)}")
     if response_mask.dtype != torch.bool or sample_mask.dtype != torch.bool:
-        raise TypeError(
-            f"masks must be bool, got response_mask {response_mask.dtype}, sample_mask {sample_mask.dtype}"
-        )
+        raise TypeError(f"masks must be bool, got response_mask {response_mask.dtype}, sample_mask {sample_mask.dtype}")
 
 
 def _check_modes(reduction: str, aggregation: str) -> None:
@@ -132,9 +130,7 @@ def masked_mean(
         tokens_per_sample = response_mask.sum(dim=1).clamp(min=1).to(values.dtype)  # [B]
         numerator = (values.sum(dim=1) / tokens_per_sample).sum()
     if denominator is None:
-        denominator = loss_denominator(
-            response_mask, sample_mask, reduction=reduction, aggregation=aggregation
-        )
+        denominator = loss_denominator(response_mask, sample_mask, reduction=reduction, aggregation=aggregation)
     denominator = torch.as_tensor(denominator, dtype=numerator.dtype, device=numerator.device)
     return numerator / denominator.clamp(min=1.0)
 
@@ -185,13 +181,10 @@ class LossInputs:
         for what, student, teacher in pairs:
             for side, value in (("student", student), ("teacher", teacher)):
                 if value is not None and (value.ndim != 3 or tuple(value.shape[:2]) != bt):
-                    raise ValueError(
-                        f"{side}_{what} must be [B, T, *] with [B, T]={bt}, got {tuple(value.shape)}"
-                    )
+                    raise ValueError(f"{side}_{what} must be [B, T, *] with [B, T]={bt}, got {tuple(value.shape)}")
             if student is not None and teacher is not None and student.shape != teacher.shape:
                 raise ValueError(
-                    f"student_{what} {tuple(student.shape)} and teacher_{what} "
-                    f"{tuple(teacher.shape)} differ in shape"
+                    f"student_{what} {tuple(student.shape)} and teacher_{what} {tuple(teacher.shape)} differ in shape"
                 )
         if self.response_mask.dtype != torch.bool or self.sample_mask.dtype != torch.bool:
             raise TypeError(
@@ -215,45 +208,48 @@ class LossOutputs:
     metric_counts: dict[str, float] = field(default_factory=dict)
 
 
-def _require(fields: dict[str, Tensor | None], *, why: str) -> None:
+def _require(fields: dict[str, Tensor | None], *, why: str) -> list[Tensor]:
+    """The values of `fields` in order; raises naming every field that is None."""
     missing = [name for name, value in fields.items() if value is None]
     if missing:
         raise ValueError(f"{why} needs LossInputs fields {missing}, which are None")
+    return [value for value in fields.values() if value is not None]
+
+
+def _topk_logprobs(inputs: LossInputs, *, divergence: Divergence) -> tuple[Tensor, Tensor]:
+    """(student, teacher) top-K logprobs [B, T, K] of a top-K divergence."""
+    student, teacher = _require(
+        {
+            "student_topk_logprobs": inputs.student_topk_logprobs,
+            "teacher_topk_logprobs": inputs.teacher_topk_logprobs,
+        },
+        why=f"divergence={divergence!r}",
+    )
+    return student, teacher
 
 
 def _sdpo_per_token(inputs: LossInputs, *, divergence: Divergence, alpha: float) -> tuple[Tensor, Tensor]:
     """(per-token loss term, per-token divergence for logging), both [B, T]."""
     if divergence in ("topk_tail", "topk_renorm"):
-        _require(
-            {
-                "student_topk_logprobs": inputs.student_topk_logprobs,
-                "teacher_topk_logprobs": inputs.teacher_topk_logprobs,
-            },
-            why=f"divergence={divergence!r}",
-        )
-        value = topk_divergence(
-            inputs.student_topk_logprobs,
-            inputs.teacher_topk_logprobs,
-            alpha=alpha,
-            tail=divergence == "topk_tail",
-        )
+        student_topk, teacher_topk = _topk_logprobs(inputs, divergence=divergence)
+        value = topk_divergence(student_topk, teacher_topk, alpha=alpha, tail=divergence == "topk_tail")
         return value, value.detach()
     if divergence == "full":
-        _require(
+        student_logits, teacher_logits = _require(
             {"student_logits": inputs.student_logits, "teacher_logits": inputs.teacher_logits},
             why="divergence='full'",
         )
-        value = full_vocab_divergence(inputs.student_logits, inputs.teacher_logits, alpha=alpha)
+        value = full_vocab_divergence(student_logits, teacher_logits, alpha=alpha)
         return value, value.detach()
     if alpha != 1.0:
         raise ValueError(
             f"divergence='sampled_token' estimates KL(student||teacher) and needs alpha=1, got alpha={alpha}"
         )
-    _require(
+    (teacher_token_logprobs,) = _require(
         {"teacher_token_logprobs": inputs.teacher_token_logprobs}, why="divergence='sampled_token'"
     )
-    surrogate = sampled_token_loss(inputs.student_token_logprobs, inputs.teacher_token_logprobs)
-    estimate = (inputs.student_token_logprobs - inputs.teacher_token_logprobs).detach()
+    surrogate = sampled_token_loss(inputs.student_token_logprobs, teacher_token_logprobs)
+    estimate = (inputs.student_token_logprobs - teacher_token_logprobs).detach()
     return surrogate, estimate
 
 
@@ -297,8 +293,8 @@ def _sdpo_term(
         log_ratio = (inputs.student_token_logprobs - inputs.old_token_logprobs).detach()
         metrics["sdpo/is_clip_fraction"] = _masked_token_mean((log_ratio.exp() > is_clip).float(), active)
     if divergence in ("topk_tail", "topk_renorm"):
-        sides = (("student", inputs.student_topk_logprobs), ("teacher", inputs.teacher_topk_logprobs))
-        for side, topk in sides:
+        student_topk, teacher_topk = _topk_logprobs(inputs, divergence=divergence)
+        for side, topk in (("student", student_topk), ("teacher", teacher_topk)):
             mass = torch.logsumexp(topk.detach().float(), dim=-1).exp()  # [B, T]
             metrics[f"sdpo/{side}_topk_mass_mean"] = _masked_token_mean(mass, active)
     counts = {name: num_active for name in metrics if name != "sdpo/loss"}
@@ -315,9 +311,9 @@ def _grpo_term(
     clip_low: float,
     clip_high: float,
 ) -> tuple[Tensor, dict[str, float], dict[str, float]]:
-    _require({"advantages": inputs.advantages}, why="the GRPO term")
+    (advantages,) = _require({"advantages": inputs.advantages}, why="the GRPO term")
     response_mask = inputs.response_mask
-    ppo_args = (inputs.student_token_logprobs, inputs.old_token_logprobs, inputs.advantages, response_mask)
+    ppo_args = (inputs.student_token_logprobs, inputs.old_token_logprobs, advantages, response_mask)
     per_token = ppo_clip_loss(*ppo_args, clip_low=clip_low, clip_high=clip_high)  # [B, T]
     loss = masked_mean(
         per_token,
@@ -330,7 +326,7 @@ def _grpo_term(
     clipped = ppo_clipped_mask(*ppo_args, clip_low=clip_low, clip_high=clip_high)  # [B, T]
     log_ratio = (inputs.student_token_logprobs - inputs.old_token_logprobs).detach()
     ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()  # [B, T]
-    advantages = inputs.advantages.detach().float()
+    advantages = advantages.detach().float()
     metrics = {
         "grpo/loss": float(loss.detach()),
         "grpo/clip_fraction": _masked_token_mean(clipped.float(), response_mask),

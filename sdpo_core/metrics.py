@@ -56,9 +56,8 @@ def teacher_context_metrics(
     return {
         "sdpo/success_group_fraction": sum(groups.values()) / len(groups),
         "sdpo/success_sample_fraction": sum(successes) / n,
-        "sdpo/feedback_available_fraction": sum(
-            s.feedback is not None and bool(s.feedback.strip()) for s in samples
-        ) / n,
+        "sdpo/feedback_available_fraction": sum(s.feedback is not None and bool(s.feedback.strip()) for s in samples)
+        / n,
         "sdpo/feedback_used_fraction": sum(c.source in ("feedback", "solution+feedback") for _, c in paired) / n,
         "sdpo/solution_used_fraction": sum(c.source in ("solution", "solution+feedback") for _, c in paired) / n,
         "sdpo/reprompt_sample_fraction": sum(c.source != "none" for _, c in paired) / n,

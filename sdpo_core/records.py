@@ -9,8 +9,9 @@ worker and serialised by `storage/` without knowing about the algorithm.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, TypedDict, get_args
+from typing import Any, Literal, TypedDict, get_args
 
 
 class Message(TypedDict):
@@ -33,7 +34,7 @@ TeacherSource = Literal["solution", "feedback", "solution+feedback", "prompt", "
 TEACHER_SOURCES: tuple[str, ...] = get_args(TeacherSource)
 
 
-def validate_messages(messages: tuple[dict, ...] | list[dict], *, what: str) -> None:
+def validate_messages(messages: Sequence[object], *, what: str) -> None:
     """Raise if `messages` is not a non-empty sequence of text chat messages.
 
     Extra keys (for example "name") are allowed and carried along; `role` and `content` must be
@@ -83,7 +84,7 @@ class SampleRecord:
 
     sample_id: int
     group_id: int
-    prompt_messages: tuple[dict, ...]
+    prompt_messages: tuple[dict[str, Any], ...]
     response_text: str
     reward: float
     feedback: str | None
@@ -116,7 +117,7 @@ class TeacherContext:
     """
 
     sample_id: int
-    messages: tuple[dict, ...]
+    messages: tuple[dict[str, Any], ...]
     mask: bool
     source: TeacherSource
 

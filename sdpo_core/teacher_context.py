@@ -14,7 +14,7 @@ import copy
 import math
 import re
 from collections.abc import Callable, Mapping, Sequence
-from typing import Literal
+from typing import Any, Literal
 
 from sdpo_core.records import validate_messages
 
@@ -214,6 +214,7 @@ def substitute(template: str, values: Mapping[str, str]) -> str:
 
     Unlike `str.format`, inserted text is never re-scanned and braces anywhere else stay verbatim.
     """
+
     def replace(match: re.Match[str]) -> str:
         name = match.group(1)
         return values[name] if name in values else match.group(0)
@@ -244,7 +245,7 @@ def render_reprompt(
     return substitute(reprompt_template, {"prompt": prompt, "solution": solution_text, "feedback": feedback_text})
 
 
-def last_user_index(messages: Sequence[dict]) -> int:
+def last_user_index(messages: Sequence[dict[str, Any]]) -> int:
     """Position of the last user message; raises if there is none."""
     for i in range(len(messages) - 1, -1, -1):
         if messages[i]["role"] == "user":
@@ -254,7 +255,7 @@ def last_user_index(messages: Sequence[dict]) -> int:
     )
 
 
-def replace_last_user_content(messages: Sequence[dict], content: str) -> tuple[dict, ...]:
+def replace_last_user_content(messages: Sequence[dict[str, Any]], content: str) -> tuple[dict[str, Any], ...]:
     """A deep copy of `messages` whose last user message has `content`; the input is not touched."""
     validate_messages(messages, what="prompt messages")
     index = last_user_index(messages)
@@ -264,14 +265,14 @@ def replace_last_user_content(messages: Sequence[dict], content: str) -> tuple[d
 
 
 def build_teacher_messages(
-    prompt_messages: Sequence[dict],
+    prompt_messages: Sequence[dict[str, Any]],
     *,
     solution: str | None,
     feedback: str | None,
     solution_template: str = SOLUTION_TEMPLATE,
     feedback_template: str = FEEDBACK_TEMPLATE,
     reprompt_template: str = REPROMPT_TEMPLATE,
-) -> tuple[dict, ...]:
+) -> tuple[dict[str, Any], ...]:
     """The teacher's message list in the paper's format.
 
     All messages are kept as they are (system messages included) except the last user message, whose
@@ -311,11 +312,11 @@ def render_relax_suffix(*, solution: str | None, feedback: str | None) -> str | 
 
 
 def build_relax_teacher_messages(
-    prompt_messages: Sequence[dict],
+    prompt_messages: Sequence[dict[str, Any]],
     *,
     solution: str | None,
     feedback: str | None,
-) -> tuple[dict, ...]:
+) -> tuple[dict[str, Any], ...]:
     """The teacher's message list in the Relax format: the suffix appended to the last user message.
 
     With nothing to inject the result is a copy of the input. The input is never mutated.

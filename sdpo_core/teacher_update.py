@@ -30,15 +30,11 @@ def ema_update_(teacher: dict[str, Tensor], student: dict[str, Tensor], *, rate:
     _check_rate(rate)
     missing, extra = sorted(teacher.keys() - student.keys()), sorted(student.keys() - teacher.keys())
     if missing or extra:
-        raise ValueError(
-            f"teacher and student state differ: only in teacher {missing}, only in student {extra}"
-        )
+        raise ValueError(f"teacher and student state differ: only in teacher {missing}, only in student {extra}")
     for name, target in teacher.items():
         source = student[name]
         if source.shape != target.shape:
-            raise ValueError(
-                f"{name}: teacher shape {tuple(target.shape)} != student shape {tuple(source.shape)}"
-            )
+            raise ValueError(f"{name}: teacher shape {tuple(target.shape)} != student shape {tuple(source.shape)}")
         source = source.to(device=target.device, dtype=target.dtype)
         if rate == 1.0 or not target.dtype.is_floating_point:
             target.copy_(source)
@@ -55,7 +51,6 @@ def trust_region_logits(ref_logits: Tensor, student_logits: Tensor, *, rate: flo
     _check_rate(rate)
     if ref_logits.shape != student_logits.shape:
         raise ValueError(
-            f"ref_logits {tuple(ref_logits.shape)} and student_logits {tuple(student_logits.shape)} "
-            "differ in shape"
+            f"ref_logits {tuple(ref_logits.shape)} and student_logits {tuple(student_logits.shape)} differ in shape"
         )
     return torch.lerp(ref_logits, student_logits.to(ref_logits.dtype), rate)

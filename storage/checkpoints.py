@@ -108,7 +108,7 @@ def upload_checkpoint(
     trained_refs = [verify_ref(layout, _ref(m)).ref for m in trained_on]
 
     started = time.monotonic()
-    entries = []
+    entries: list[dict[str, Any]] = []
     for path in files:
         name = path.relative_to(source).as_posix()
         url = join(layout.checkpoint_files_dir(n, kind), name)
@@ -129,8 +129,14 @@ def upload_checkpoint(
     }
     manifest = write_manifest(layout, layout.checkpoint_manifest(n, kind), data)
     crash_point(f"checkpoint.committed:{kind}", n)
-    logger.info("uploaded checkpoint %s of iteration %d: %d files, %d bytes (%s)",
-                kind, n, len(entries), data["bytes"], manifest.sha256[:12])
+    logger.info(
+        "uploaded checkpoint %s of iteration %d: %d files, %d bytes (%s)",
+        kind,
+        n,
+        len(entries),
+        data["bytes"],
+        manifest.sha256[:12],
+    )
     return manifest
 
 
@@ -145,8 +151,12 @@ def discard_checkpoint(layout: RunLayout, n: int, kind: str) -> bool:
         return False
     layout.store.remove_file(manifest_url)
     layout.store.remove_tree(layout.checkpoint_dir(n, kind))
-    logger.warning("discarded checkpoint %s of iteration %d (%d file(s)) written by an attempt that did not commit",
-                   kind, n, len(files))
+    logger.warning(
+        "discarded checkpoint %s of iteration %d (%d file(s)) written by an attempt that did not commit",
+        kind,
+        n,
+        len(files),
+    )
     return True
 
 
@@ -238,9 +248,10 @@ def evict_least_recently_used(cache_dir: Path, *, max_bytes: int, keep: Path) ->
         total -= sizes[folder]
         removed.append(folder)
     if removed:
-        logger.info("evicted %d checkpoint(s) from the cache %s to stay under %d bytes", len(removed), cache_dir, max_bytes)
+        logger.info(
+            "evicted %d checkpoint(s) from the cache %s to stay under %d bytes", len(removed), cache_dir, max_bytes
+        )
     return removed
-
 
 
 def download_checkpoint_files(
@@ -360,7 +371,18 @@ def _size(n: int) -> str:
 
 def format_lineage(records: Sequence[LineageRecord], *, title: str | None = None) -> str:
     """A table of `lineage(...)` for `sdpo lineage <run>`."""
-    header = ("iter", "kind", "checkpoint", "parent", "parent ok", "trained on", "data ok", "committed", "size", "created")
+    header = (
+        "iter",
+        "kind",
+        "checkpoint",
+        "parent",
+        "parent ok",
+        "trained on",
+        "data ok",
+        "committed",
+        "size",
+        "created",
+    )
     rows = [
         (
             str(r.iteration),

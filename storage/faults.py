@@ -58,4 +58,3 @@ def crash_point(name: str, iteration: int | None = None) -> None:
         return
     logger.warning("crash point %s (iteration %s) reached: killing process group", name, iteration)
     os.killpg(os.getpgid(0), signal.SIGKILL)
-

@@ -28,13 +28,16 @@ from storage.provenance import utc_now
 
 logger = logging.getLogger(__name__)
 
+
 def _committed_manifests(layout: RunLayout, n: int) -> list[str]:
     """URLs of every manifest of iterations 0..n: stages, checkpoints, iteration manifests."""
     urls = []
     for m in range(n + 1):
         urls += [layout.stage_manifest(m, s) for s in STAGES if layout.store.exists(layout.stage_manifest(m, s))]
         urls += [
-            layout.checkpoint_manifest(m, k) for k in CHECKPOINT_KINDS if layout.store.exists(layout.checkpoint_manifest(m, k))
+            layout.checkpoint_manifest(m, k)
+            for k in CHECKPOINT_KINDS
+            if layout.store.exists(layout.checkpoint_manifest(m, k))
         ]
         if m > 0:
             urls.append(layout.iteration_manifest(m))
@@ -61,7 +64,9 @@ def fork_run(parent: RunLayout, child: RunLayout, *, iteration: int, config: Map
     """
     latest = verify_latest(parent)
     if latest is None or not 1 <= iteration <= latest:
-        raise ValueError(f"run {parent.run_name!r} has committed iterations 1..{latest or 0}; cannot fork from iteration {iteration}")
+        raise ValueError(
+            f"run {parent.run_name!r} has committed iterations 1..{latest or 0}; cannot fork from iteration {iteration}"
+        )
     if child.store.exists(child.run_json):
         raise FileExistsError(f"run {child.run_name!r} already exists at {child.run_url}; pick another name")
     if config.get("name") != child.run_name:
@@ -80,7 +85,9 @@ def fork_run(parent: RunLayout, child: RunLayout, *, iteration: int, config: Map
     child.store.write_bytes(child.fork_json, json.dumps(record, indent=1, sort_keys=True).encode())
     _move_latest(child, head, iteration)
     create_or_open_run(child, config)
-    logger.info("forked %s at iteration %d into %s (%.1f MiB copied)", parent.run_url, iteration, child.run_url, copied / 2**20)
+    logger.info(
+        "forked %s at iteration %d into %s (%.1f MiB copied)", parent.run_url, iteration, child.run_url, copied / 2**20
+    )
     return record
 
 
@@ -88,4 +95,5 @@ def read_fork(layout: RunLayout) -> dict[str, Any] | None:
     """The fork record of a run (its parent and the iteration it started from), or None for a run that was not forked."""
     if not layout.store.exists(layout.fork_json):
         return None
-    return json.loads(layout.store.read_bytes(layout.fork_json))
+    record: dict[str, Any] = json.loads(layout.store.read_bytes(layout.fork_json))
+    return record

@@ -68,6 +68,7 @@ class RunLayout:
     run_name: str
     storage_options: Mapping[str, Any] | None = field(default=None, repr=False, compare=False)
     retry: RetryPolicy = field(default_factory=RetryPolicy)
+    _store: ObjectStore = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not _RUN_NAME.match(self.run_name):
@@ -78,7 +79,7 @@ class RunLayout:
 
     @property
     def store(self) -> ObjectStore:
-        return self._store  # type: ignore[attr-defined]
+        return self._store
 
     # -- run-level paths ------------------------------------------------------------------
     @property
@@ -94,7 +95,7 @@ class RunLayout:
         prefix = self.run_url + "/"
         if not url.startswith(prefix):
             raise ValueError(f"{url} is not inside run {self.run_url}")
-        return url[len(prefix):]
+        return url[len(prefix) :]
 
     @property
     def local_dir(self) -> Path | None:
@@ -266,7 +267,7 @@ def read_run(layout: RunLayout) -> dict[str, Any]:
     """run.json with `config` and `config_hash` replaced by the effective (latest accepted) config."""
     if not layout.store.exists(layout.run_json):
         raise FileNotFoundError(f"run {layout.run_name!r} does not exist: no {layout.run_json}")
-    record = json.loads(layout.store.read_bytes(layout.run_json))
+    record: dict[str, Any] = json.loads(layout.store.read_bytes(layout.run_json))
     changes = read_config_changes(layout)
     if changes:
         record["config"] = changes[-1]["config"]
@@ -277,7 +278,8 @@ def read_run(layout: RunLayout) -> dict[str, Any]:
 
 def read_run_config(layout: RunLayout) -> dict[str, Any]:
     """The effective config of an existing run (as created, plus accepted changes)."""
-    return read_run(layout)["config"]
+    config: dict[str, Any] = read_run(layout)["config"]
+    return config
 
 
 def create_or_open_run(
@@ -291,7 +293,7 @@ def create_or_open_run(
     """
     _check_plain(config, "")
     config = json.loads(canonical_json(config))
-    record = {
+    record: dict[str, Any] = {
         "layout_version": LAYOUT_VERSION,
         "run": layout.run_name,
         "created_at": utc_now(),

@@ -44,7 +44,7 @@ class LockHolder:
 
     def stale_reason(self, *, now: dt.datetime | None = None) -> str | None:
         """Why the holder can be presumed dead, or None while it may be alive."""
-        now = now or dt.datetime.now(dt.timezone.utc)
+        now = now or dt.datetime.now(dt.UTC)
         if dt.datetime.fromisoformat(self.expires_at) <= now:
             return f"lease expired at {self.expires_at}"
         if self.host == socket.gethostname() and not pid_alive(self.pid):
@@ -89,7 +89,7 @@ class RunLock:
         self._lost: BaseException | None = None
 
     def _record(self, *, token: str, created_at: str) -> tuple[LockHolder, bytes]:
-        now = dt.datetime.now(dt.timezone.utc)
+        now = dt.datetime.now(dt.UTC)
         expires = now + dt.timedelta(seconds=self.lease_seconds)
         holder = LockHolder(
             host=socket.gethostname(),
@@ -105,7 +105,7 @@ class RunLock:
         if self.holder is not None:
             raise RuntimeError(f"lock on run {self.layout.run_name!r} is already held by this RunLock")
         store, url = self.layout.store, self.layout.lock
-        now = dt.datetime.now(dt.timezone.utc).isoformat(timespec="milliseconds")
+        now = dt.datetime.now(dt.UTC).isoformat(timespec="milliseconds")
         holder, payload = self._record(token=uuid.uuid4().hex, created_at=now)
         for _ in range(3):  # the holder may release between our create and our read
             try:

@@ -17,21 +17,19 @@ import pyarrow as pa
 from storage.layout import RunLayout
 from storage.manifest import Manifest, read_stage_manifest
 from storage.schemas import ShardSchema, check_shard_schema
-from storage.shards import _expected_schema, _open_parquet, shard_entries
+from storage.shard_reader import expected_schema, open_shard, shard_entries
 
 SHARD_COLUMN = "_shard"
 ROW_COLUMN = "_row"
 
 
-def read_index(
-    layout: RunLayout, n: int, stage: str, *, columns: Sequence[str], verify: bool = True
-) -> pa.Table:
+def read_index(layout: RunLayout, n: int, stage: str, *, columns: Sequence[str], verify: bool = True) -> pa.Table:
     """`columns` of every row of a committed stage, plus `_shard` and `_row` (int32) positions."""
     manifest = read_stage_manifest(layout, n, stage)
-    expected = _expected_schema(manifest, None)
+    expected = expected_schema(manifest, None)
     tables = []
     for index, entry in enumerate(shard_entries(manifest)):
-        parquet = _open_parquet(layout, entry, verify=verify)
+        parquet = open_shard(layout, entry, verify=verify)
         check_shard_schema(expected, parquet.schema_arrow, where=layout.url(entry["path"]))
         table = parquet.read(columns=list(columns))
         parquet.close()
@@ -67,7 +65,7 @@ def read_rows(
     `read_index` can skip it here.
     """
     manifest = read_stage_manifest(layout, n, stage)
-    expected = _expected_schema(manifest, None)
+    expected = expected_schema(manifest, None)
     entries = shard_entries(manifest)
     by_shard: dict[int, list[int]] = {}
     for shard, row in positions:
@@ -77,7 +75,7 @@ def read_rows(
     found: dict[tuple[int, int], pa.Table] = {}
     for shard, rows in by_shard.items():
         entry = entries[shard]
-        parquet = _open_parquet(layout, entry, verify=verify)
+        parquet = open_shard(layout, entry, verify=verify)
         check_shard_schema(expected, parquet.schema_arrow, where=layout.url(entry["path"]))
         metadata = parquet.metadata
         starts = np.cumsum([0] + [metadata.row_group(g).num_rows for g in range(metadata.num_row_groups)])

@@ -95,9 +95,13 @@ def decode_json_object(url: str, payload: bytes) -> dict[str, Any]:
     try:
         data = json.loads(payload.decode("utf-8"))
     except UnicodeDecodeError as exc:
-        raise CorruptManifestError(f"{url} is not UTF-8 (byte {exc.start}: {payload[exc.start:exc.start + 1]!r})") from exc
+        raise CorruptManifestError(
+            f"{url} is not UTF-8 (byte {exc.start}: {payload[exc.start : exc.start + 1]!r})"
+        ) from exc
     except json.JSONDecodeError as exc:
-        raise CorruptManifestError(f"{url} is not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from exc
+        raise CorruptManifestError(
+            f"{url} is not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})"
+        ) from exc
     if not isinstance(data, dict):
         raise CorruptManifestError(f"{url} holds a JSON {type(data).__name__}, expected an object")
     return data
@@ -139,7 +143,9 @@ def read_latest_pointer(layout: RunLayout) -> dict[str, Any] | None:
         return None
     pointer = decode_json_object(layout.latest, layout.store.read_bytes(layout.latest))
     if not isinstance(pointer.get("iteration"), int) or isinstance(pointer["iteration"], bool):
-        raise CorruptManifestError(f"{layout.latest}: field 'iteration' is {pointer.get('iteration')!r}, expected an int")
+        raise CorruptManifestError(
+            f"{layout.latest}: field 'iteration' is {pointer.get('iteration')!r}, expected an int"
+        )
     return pointer
 
 

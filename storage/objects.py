@@ -23,7 +23,7 @@ import threading
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import IO, Any, Literal
+from typing import IO, Any
 
 from fsspec import AbstractFileSystem
 from fsspec.implementations.local import LocalFileSystem
@@ -32,11 +32,10 @@ from fsspec.implementations.memory import MemoryFileSystem
 from storage.errors import PreconditionFailedError, StorageIOError
 from storage.retry import RetryPolicy, call_with_retry
 from storage.scratch import tmp_sibling
-from storage.urls import protocol, resolve
+from storage.urls import Backend, protocol, resolve
 
 logger = logging.getLogger(__name__)
 
-Backend = Literal["file", "s3", "memory"]
 _MEMORY_LOCK = threading.RLock()  # memory:// is one dict per process: one lock makes its writes exclusive
 _HASH_CHUNK = 8 * 2**20
 
@@ -108,7 +107,7 @@ def _is_precondition_failed(exc: BaseException) -> bool:
         if isinstance(current, botocore.exceptions.ClientError):
             error = current.response.get("Error", {})
             status = current.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
-            return error.get("Code") == "PreconditionFailed" or status == 412
+            return bool(error.get("Code") == "PreconditionFailed" or status == 412)
         current = current.__cause__ or current.__context__
     return False
 
@@ -119,7 +118,7 @@ class ObjectStore:
     def __init__(self, url: str, *, storage_options: Mapping[str, Any] | None, retry: RetryPolicy) -> None:
         self.fs: AbstractFileSystem
         self.fs, _ = resolve(url, storage_options)
-        self.backend: Backend = protocol(url)  # type: ignore[assignment]
+        self.backend: Backend = protocol(url)
         self.retry = retry
         expected = {"file": LocalFileSystem, "memory": MemoryFileSystem}.get(self.backend)
         if expected is not None and not isinstance(self.fs, expected):
@@ -131,7 +130,8 @@ class ObjectStore:
     # -- plumbing ---------------------------------------------------------------------------
     def path(self, url: str) -> str:
         """The filesystem path of a URL."""
-        return self.fs._strip_protocol(url)
+        path: str = self.fs._strip_protocol(url)
+        return path
 
     def _call(self, fn: Any, what: str, url: str) -> Any:
         """Run one operation on `url`; OS errors (a full disk, a permission) come back naming it.
@@ -186,7 +186,8 @@ class ObjectStore:
 
     def read_bytes(self, url: str) -> bytes:
         path = self.path(url)
-        return self._call(lambda: self.fs.cat_file(path), "read", url)
+        data: bytes = self._call(lambda: self.fs.cat_file(path), "read", url)
+        return data
 
     def size(self, url: str) -> int:
         path = self.path(url)
@@ -223,7 +224,8 @@ class ObjectStore:
         return "s3://" + path
 
     def open_read(self, url: str) -> IO[bytes]:
-        return self.fs.open(self.path(url), "rb")
+        handle: IO[bytes] = self.fs.open(self.path(url), "rb")
+        return handle
 
     def read_tagged(self, url: str) -> tuple[bytes, str]:
         """(content, tag) where the tag identifies this exact content for `replace_if_tag`.
@@ -360,7 +362,8 @@ class ObjectStore:
             raise ValueError(f"open_write is not used on s3 (spool locally, then put_local_file): {url}")
         path = self.path(url)
         self._ensure_parent(path)
-        return self.fs.open(path, "wb")
+        handle: IO[bytes] = self.fs.open(path, "wb")
+        return handle
 
     def remove_file(self, url: str) -> None:
         """Remove one object; nothing there is fine."""

@@ -13,7 +13,7 @@ PACKAGE = "sdpo-pipeline"
 
 
 def utc_now() -> str:
-    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="milliseconds")
+    return dt.datetime.now(dt.UTC).isoformat(timespec="milliseconds")
 
 
 @functools.cache
@@ -24,7 +24,9 @@ def code_version() -> str:
         source = Path(__file__).resolve().parent.parent
         result = subprocess.run(
             [git, "-C", str(source), "describe", "--always", "--dirty", "--tags"],
-            capture_output=True, text=True, check=False,
+            capture_output=True,
+            text=True,
+            check=False,
         )
         if result.returncode == 0 and result.stdout.strip():
             return f"git:{result.stdout.strip()}"

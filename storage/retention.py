@@ -73,7 +73,8 @@ def check_not_pruned(layout: RunLayout, n: int, kind: str) -> None:
 
 def _committed(layout: RunLayout, kind: str, latest: int) -> list[int]:
     return [
-        n for n in layout.checkpoint_iterations()
+        n
+        for n in layout.checkpoint_iterations()
         if n <= latest and layout.store.exists(layout.checkpoint_manifest(n, kind))
     ]
 
@@ -87,8 +88,9 @@ def protected(layout: RunLayout, latest: int) -> set[tuple[int, str]]:
     return keep
 
 
-def plan(layout: RunLayout, *, resumable: KeepRule, weights: KeepRule,
-         eval_metric: Callable[[int, str], float | None]) -> list[Decision]:
+def plan(
+    layout: RunLayout, *, resumable: KeepRule, weights: KeepRule, eval_metric: Callable[[int, str], float | None]
+) -> list[Decision]:
     """A decision for every committed, not yet pruned checkpoint up to LATEST."""
     latest = read_latest(layout)
     if latest is None:
@@ -98,7 +100,7 @@ def plan(layout: RunLayout, *, resumable: KeepRule, weights: KeepRule,
     for kind in CHECKPOINT_KINDS:
         rule = resumable if kind in RESUMABLE_KINDS else weights
         present = [n for n in _committed(layout, kind, latest) if not is_pruned(layout, n, kind)]
-        last = set(present[-rule.last:]) if rule.last else set()
+        last = set(present[-rule.last :]) if rule.last else set()
         best = None
         if rule.best is not None:
             scored = [(value, n) for n in present if (value := eval_metric(n, rule.best)) is not None]
@@ -128,8 +130,13 @@ def prune(layout: RunLayout, decision: Decision) -> None:
         stone = {"pruned_at": utc_now(), "reason": decision.reason, "bytes": decision.bytes}
         layout.store.write_bytes(url, (json.dumps(stone, sort_keys=True) + "\n").encode())
     layout.store.remove_tree(layout.checkpoint_files_dir(decision.iteration, decision.kind))
-    logger.info("pruned checkpoint %s of iteration %d (%d bytes): %s",
-                decision.kind, decision.iteration, decision.bytes, decision.reason)
+    logger.info(
+        "pruned checkpoint %s of iteration %d (%d bytes): %s",
+        decision.kind,
+        decision.iteration,
+        decision.bytes,
+        decision.reason,
+    )
 
 
 def finish_interrupted_prunes(layout: RunLayout) -> None:
@@ -140,8 +147,14 @@ def finish_interrupted_prunes(layout: RunLayout) -> None:
                 layout.store.remove_tree(layout.checkpoint_files_dir(n, kind))
 
 
-def apply(layout: RunLayout, *, resumable: KeepRule, weights: KeepRule,
-          eval_metric: Callable[[int, str], float | None], dry_run: bool = False) -> list[Decision]:
+def apply(
+    layout: RunLayout,
+    *,
+    resumable: KeepRule,
+    weights: KeepRule,
+    eval_metric: Callable[[int, str], float | None],
+    dry_run: bool = False,
+) -> list[Decision]:
     """Plan and (unless `dry_run`) prune; returns the plan."""
     decisions = plan(layout, resumable=resumable, weights=weights, eval_metric=eval_metric)
     if not dry_run:

@@ -55,7 +55,7 @@ class RetryPolicy:
 
     def delay(self, attempt: int) -> float:
         """Sleep before retry number `attempt` (1-based): capped exponential with +-50 % jitter."""
-        base = min(self.max_backoff_s, self.backoff_s * 2 ** (attempt - 1))
+        base = min(self.max_backoff_s, self.backoff_s * 2.0 ** (attempt - 1))
         return base * (0.5 + random.random())
 
 
@@ -106,7 +106,12 @@ def call_with_retry(fn: Callable[[], T], *, policy: RetryPolicy, what: str) -> T
             delay = policy.delay(attempt)
             logger.warning(
                 "%s failed (attempt %d/%d): %s: %s; retrying in %.2fs",
-                what, attempt, policy.attempts, type(exc).__name__, exc, delay,
+                what,
+                attempt,
+                policy.attempts,
+                type(exc).__name__,
+                exc,
+                delay,
             )
             time.sleep(delay)
     raise AssertionError("unreachable")

@@ -4,8 +4,8 @@ Per-token top-K layout: `topk_ids` is `list<fixed_size_list<int32, K>>` and `top
 `list<fixed_size_list<float32|float16, K>>`: one K-vector per response token, candidates sorted by
 the student's logprob, descending. K is fixed per shard: it is part of the column type and also
 stored in the schema metadata (`sdpo.top_k`). Parquet writes them with BYTE_STREAM_SPLIT + zstd
-(see `storage.shards.parquet_options`); docs/storage.md has the measurements behind this choice.
-Readers get values [N_tokens, K] plus per-row token offsets (`storage.shards.topk`).
+(see `storage.shard_writer.parquet_options`); docs/storage.md has the measurements behind this choice.
+Readers get values [N_tokens, K] plus per-row token offsets (`storage.shard_columns.topk`).
 
 Invariants (checked by `check_rows` on every write):
 - non-nullable columns have no nulls; `finish_reason` is "stop" or "length"; `iteration` equals the
@@ -173,7 +173,7 @@ def shard_format(arrow_schema: pa.Schema, *, where: str) -> ShardFormat:
         schema=meta[META_SCHEMA].decode(),
         version=int(meta[META_VERSION]),
         top_k=int(meta[META_TOP_K]),
-        logprob_dtype=meta[META_LOGPROB_DTYPE].decode(),  # type: ignore[arg-type]
+        logprob_dtype=meta[META_LOGPROB_DTYPE].decode(),
     )
 
 
@@ -197,7 +197,8 @@ def check_shard_schema(expected: ShardSchema, arrow_schema: pa.Schema, *, where:
 # -- invariants ------------------------------------------------------------------------------
 def row_lengths(column: pa.Array) -> np.ndarray:
     """[N] int64 list lengths of a list column."""
-    return pc.list_value_length(column).to_numpy(zero_copy_only=False).astype(np.int64)
+    lengths: np.ndarray = pc.list_value_length(column).to_numpy(zero_copy_only=False).astype(np.int64)
+    return lengths
 
 
 def _fail(schema: ShardSchema, message: str, rows: np.ndarray) -> None:

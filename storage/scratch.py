@@ -77,8 +77,13 @@ def sweep(folder: str | os.PathLike[str], *, depth: int = 1) -> list[Path]:
                         below.append(entry)
         level = below
     if removed:
-        logger.warning("removed %d temporary entr%s left by crashed processes under %s: %s",
-                       len(removed), "y" if len(removed) == 1 else "ies", root, [str(p) for p in removed[:5]])
+        logger.warning(
+            "removed %d temporary entr%s left by crashed processes under %s: %s",
+            len(removed),
+            "y" if len(removed) == 1 else "ies",
+            root,
+            [str(p) for p in removed[:5]],
+        )
     return removed
 
 

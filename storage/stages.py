@@ -1,9 +1,9 @@
 """One stage's output for one iteration: files, then a manifest written last.
 
-    stage = StageOutput(layout, n, "rollout")       # refuses a committed stage, clears a partial one
-    with ShardWriter(stage, ROLLOUT, top_k=16) as writer:
-        writer.write(columns)
-    manifest = stage.commit(parents=[...], metrics={...})
+stage = StageOutput(layout, n, "rollout")       # refuses a committed stage, clears a partial one
+with ShardWriter(stage, ROLLOUT, top_k=16) as writer:
+    writer.write(columns)
+manifest = stage.commit(parents=[...], metrics={...})
 """
 
 from __future__ import annotations
@@ -49,7 +49,10 @@ class StageOutput:
         if leftovers:
             logger.warning(
                 "stage %s of iteration %d has %d file(s) but no manifest (interrupted run); clearing %s",
-                stage, n, len(leftovers), self.dir,
+                stage,
+                n,
+                len(leftovers),
+                self.dir,
             )
             layout.store.remove_tree(self.dir)
         self._files: list[dict[str, Any]] = []
@@ -122,7 +125,12 @@ class StageOutput:
         crash_point(f"stage.committed:{self.stage}", self.iteration)
         logger.info(
             "committed %s of iteration %d: %d file(s), %d rows, %d bytes (%s)",
-            self.stage, self.iteration, len(self._files), data["rows"], data["bytes"], manifest.sha256[:12],
+            self.stage,
+            self.iteration,
+            len(self._files),
+            data["rows"],
+            data["bytes"],
+            manifest.sha256[:12],
         )
         return manifest
 
@@ -156,9 +164,7 @@ def write_stage_manifest(
 EVAL_FILE = "metrics.json"
 
 
-def write_eval(
-    layout: RunLayout, n: int, metrics: Mapping[str, Any], *, parents: Sequence[Manifest] = ()
-) -> Manifest:
+def write_eval(layout: RunLayout, n: int, metrics: Mapping[str, Any], *, parents: Sequence[Manifest] = ()) -> Manifest:
     """Commit the evaluation of checkpoint n as stage `eval` of iteration n (metrics in file and manifest)."""
     output = StageOutput(layout, n, "eval")
     output.write_json(EVAL_FILE, plain_metrics(metrics))

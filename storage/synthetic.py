@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from storage.shards import Ragged
+from storage.shard_columns import Ragged
 
 _WORDS = ("the", "answer", "is", "so", "we", "get", "x", "=", "2", "+", "3", "then", "therefore", "box", "step")
 

@@ -12,29 +12,31 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal, get_args
 
 import fsspec
 from fsspec import AbstractFileSystem
 
-SUPPORTED_PROTOCOLS = ("file", "s3", "memory")
+Backend = Literal["file", "s3", "memory"]
+SUPPORTED_PROTOCOLS: tuple[Backend, ...] = get_args(Backend)
 
 
-def protocol(url: str) -> str:
+def protocol(url: str) -> Backend:
     """The URL scheme; a plain path is `file`."""
     if "://" not in url:
         return "file"
     scheme = url.split("://", 1)[0]
-    if scheme not in SUPPORTED_PROTOCOLS:
-        raise ValueError(f"unsupported storage URL {url!r}: scheme {scheme!r} is not one of {SUPPORTED_PROTOCOLS}")
-    return scheme
+    for backend in SUPPORTED_PROTOCOLS:
+        if scheme == backend:
+            return backend
+    raise ValueError(f"unsupported storage URL {url!r}: scheme {scheme!r} is not one of {SUPPORTED_PROTOCOLS}")
 
 
 def normalize(url: str) -> str:
     """Canonical form: `file:///abs/path`, `s3://bucket/prefix`, `memory:///prefix`, no trailing slash."""
     scheme = protocol(url)
     if scheme == "file":
-        path = url[len("file://"):] if url.startswith("file://") else url
+        path = url[len("file://") :] if url.startswith("file://") else url
         return "file://" + os.path.abspath(os.path.expanduser(path))
     rest = url.split("://", 1)[1].strip("/")
     if scheme == "s3":
@@ -73,7 +75,9 @@ def registered_options(url: str) -> dict[str, Any] | None:
     canonical = normalize(url)
     best: str | None = None
     for root in _REGISTERED_OPTIONS:
-        if (canonical == root or canonical.startswith(root.rstrip("/") + "/")) and (best is None or len(root) > len(best)):
+        if (canonical == root or canonical.startswith(root.rstrip("/") + "/")) and (
+            best is None or len(root) > len(best)
+        ):
             best = root
     return None if best is None else dict(_REGISTERED_OPTIONS[best])
 

@@ -55,7 +55,7 @@ def _hash_object(layout: RunLayout, url: str) -> str:
     return digest.hexdigest()
 
 
-_FIELDS = {
+_FIELDS: dict[str, dict[str, type]] = {
     "stage": {"files": list, "parents": list},
     "checkpoint": {"files": list, "trained_on": list},
     "iteration": {"stages": dict, "checkpoints": dict},
@@ -69,9 +69,10 @@ def _manifest(layout: RunLayout, url: str, report: Report) -> Manifest | None:
     except StorageError as exc:
         report.bad(url, str(exc))
         return None
-    fields = _FIELDS.get(manifest.data.get("kind"))
+    manifest_kind = manifest.data.get("kind")
+    fields = _FIELDS.get(manifest_kind) if isinstance(manifest_kind, str) else None
     if fields is None:
-        report.bad(url, f"field 'kind' is {manifest.data.get('kind')!r}, expected one of {sorted(_FIELDS)}")
+        report.bad(url, f"field 'kind' is {manifest_kind!r}, expected one of {sorted(_FIELDS)}")
         return None
     for name, kind in fields.items():
         if not isinstance(manifest.data.get(name), kind):
@@ -159,7 +160,9 @@ def _check_latest(layout: RunLayout, report: Report) -> None:
     if pointer.get("manifest") != expected:
         report.bad(layout.latest, f"names {pointer.get('manifest')!r}, expected {expected!r}")
         return
-    _check_ref(layout, {"path": expected, "sha256": str(pointer.get("sha256"))}, layout.latest, report, "iteration manifest")
+    _check_ref(
+        layout, {"path": expected, "sha256": str(pointer.get("sha256"))}, layout.latest, report, "iteration manifest"
+    )
 
 
 def verify_run(layout: RunLayout, *, progress: Callable[[int], None] = lambda _: None) -> Report:
@@ -216,4 +219,3 @@ def _listed_bytes(layout: RunLayout, url: str) -> int:
     except (ValueError, UnicodeDecodeError):
         return 0
     return sum(int(f.get("bytes", 0)) for f in data.get("files", []))
-

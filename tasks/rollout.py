@@ -190,7 +190,7 @@ _ROLLOUT_COLUMNS = (
 def run_rollout(root: str, run_name: str, iteration: int) -> dict:
     """Rollout stage of `iteration`: returns its manifest (skips when already committed)."""
     from storage.manifest import read_stage_manifest, stage_done
-    from storage.shards import write_stage
+    from storage.shard_writer import write_stage
     from tasks.data.prompts import iteration_prompts, load_splits
     from tasks.runtime import open_run
 

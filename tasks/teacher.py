@@ -83,7 +83,8 @@ def run_teacher(root: str, run_name: str, iteration: int) -> dict | None:
 
     from sdpo_core.grpo import group_advantages
     from storage.manifest import read_stage_manifest, stage_done
-    from storage.shards import read_stage_columns, write_stage
+    from storage.shard_reader import read_stage_columns
+    from storage.shard_writer import write_stage
     from tasks.engines.scorer import score_teacher
     from tasks.rollout import render_prompt_ids
     from tasks.runtime import open_run, teacher_source

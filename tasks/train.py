@@ -91,7 +91,7 @@ def run_train(root: str, run_name: str, iteration: int) -> dict | None:
     from storage.faults import crash_point
     from storage.layout import CHECKPOINT_KINDS
     from storage.manifest import read_stage_manifest, stage_done
-    from storage.shards import read_stage_columns
+    from storage.shard_reader import read_stage_columns
     from storage.stages import write_stage_manifest
     from tasks.megatron.parallel import init_parallel
     from tasks.megatron.resume import get_trainer

@@ -110,7 +110,8 @@ def write_synthetic_run(
     from storage.checkpoints import upload_checkpoint
     from storage.layout import RunLayout, create_or_open_run
     from storage.schemas import ROLLOUT
-    from storage.shards import Ragged, write_stage
+    from storage.shard_columns import Ragged
+    from storage.shard_writer import write_stage
     from storage.synthetic import synthetic_columns, synthetic_topk
     from tasks.data.bootstrap_model import build_tokenizer
     from tasks.config import load_config, to_dict

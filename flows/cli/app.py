@@ -79,7 +79,7 @@ def prefect_local_mode(run_name: str):
         yield
 
 
-def fail(message: str) -> None:
+def fail(message: str | None) -> None:
     typer.secho(message, fg=typer.colors.RED, err=True)
     raise typer.Exit(2)
 

@@ -30,7 +30,7 @@ import math
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 from sdpo_core.records import Verdict
 
@@ -183,7 +183,7 @@ def suite_to_label(suite: TestSuite) -> str:
 
 def extract_code(response_text: str) -> str | None:
     """The longest closed fenced block (```lang ... ```), or None when there is none."""
-    blocks = [block for block in _FENCE.findall(response_text) if block.strip()]
+    blocks: list[str] = [block for block in _FENCE.findall(response_text) if block.strip()]
     if not blocks:
         return None
     return max(blocks, key=len)
@@ -247,7 +247,7 @@ def judge(suite: TestSuite, executions: Sequence[Execution]) -> list[TestResult]
     results = []
     for ex in executions:
         expected = suite.outputs[ex.index] if suite.outputs else None
-        common = dict(
+        common: dict[str, Any] = dict(
             index=ex.index, input=suite.inputs[ex.index], output=ex.output, expected=expected, stderr=ex.stderr
         )
         if ex.status == "timeout":

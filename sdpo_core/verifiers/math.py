@@ -104,11 +104,11 @@ def extract_final_answer(text: str, *, allow_last_number: bool = False) -> str |
     boxed = _last_boxed(text)
     if boxed is not None and boxed.strip():
         return boxed.strip()
-    marked = _GSM8K.findall(text)
+    marked: list[str] = _GSM8K.findall(text)
     if marked and marked[-1].strip():
         return marked[-1].strip()
     if allow_last_number:
-        numbers = _LAST_NUMBER.findall(text)
+        numbers: list[str] = _LAST_NUMBER.findall(text)
         if numbers:
             return numbers[-1]
     return None
@@ -163,7 +163,7 @@ def normalise(answer: str) -> str:
 
 
 def _strip_outer_parens(s: str) -> str:
-    """"((x))" -> "x", but "(a)/(b)" stays whole."""
+    """ "((x))" -> "x", but "(a)/(b)" stays whole."""
     while s.startswith("(") and s.endswith(")"):
         depth = 0
         for i, ch in enumerate(s):
@@ -176,11 +176,13 @@ def _strip_outer_parens(s: str) -> str:
 
 def _bounded_fraction(text: str) -> Fraction | None:
     """Fraction(text) for an ASCII number within the digit and exponent bounds, else None."""
-    if _NUMBER.fullmatch(text) is None:
+    parts = _NUMBER_PARTS.fullmatch(text)
+    if _NUMBER.fullmatch(text) is None or parts is None:
         return None
-    whole, decimals, exponent = _NUMBER_PARTS.fullmatch(text).groups()  # type: ignore[union-attr]
-    if len(whole) + len(decimals) > _MAX_DIGITS or (exponent is not None and
-                                                    (len(exponent) > 6 or abs(int(exponent)) > _MAX_EXPONENT)):
+    whole, decimals, exponent = parts.groups()
+    if len(whole) + len(decimals) > _MAX_DIGITS or (
+        exponent is not None and (len(exponent) > 6 or abs(int(exponent)) > _MAX_EXPONENT)
+    ):
         return None
     return Fraction(text)
 
@@ -236,8 +238,17 @@ def _to_sympy_text(s: str) -> str | None:
     s = re.sub(r"\\sqrt\s*\[([^\]]+)\]\s*\{([^{}]*)\}", r"((\2)**(1/(\1)))", s)
     s = re.sub(r"\\sqrt\s*\{", "sqrt{", s)
     s = re.sub(r"\\sqrt\s*(\d|[a-zA-Z])", r"sqrt(\1)", s)
-    for latex, plain in (("\\cdot", "*"), ("\\times", "*"), ("\\pi", "pi"), ("\\infty", "oo"), ("\\ln", "log"),
-                         ("\\exp", "exp"), ("\\sin", "sin"), ("\\cos", "cos"), ("\\tan", "tan")):
+    for latex, plain in (
+        ("\\cdot", "*"),
+        ("\\times", "*"),
+        ("\\pi", "pi"),
+        ("\\infty", "oo"),
+        ("\\ln", "log"),
+        ("\\exp", "exp"),
+        ("\\sin", "sin"),
+        ("\\cos", "cos"),
+        ("\\tan", "tan"),
+    ):
         s = s.replace(latex, plain)
     s = s.replace("{", "(").replace("}", ")").replace("^", "**")
     if not s.strip() or "\\" in s or len(s) > _MAX_SYMBOLIC_CHARS or _HUGE_LITERAL.search(s):
@@ -269,8 +280,13 @@ def _sympy_equal(a: str, b: str) -> bool:
     global_dict = {**{k: v for k, v in vars(sympy).items() if not k.startswith("_")}, "__builtins__": {}}
     try:
         left, right = (
-            parse_expr(x, local_dict=dict(names), global_dict=dict(global_dict), transformations=transformations,
-                       evaluate=False)
+            parse_expr(
+                x,
+                local_dict=dict(names),
+                global_dict=dict(global_dict),
+                transformations=transformations,
+                evaluate=False,
+            )
             for x in (a, b)
         )
     except (SyntaxError, TypeError, ValueError, AttributeError, ZeroDivisionError, sympy.SympifyError, TokenError):

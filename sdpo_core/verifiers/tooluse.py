@@ -29,6 +29,7 @@ print an expected value.
 from __future__ import annotations
 
 import ast
+import itertools
 import json
 import re
 from dataclasses import dataclass
@@ -60,8 +61,8 @@ FUNCTION_CALL_FORMAT_ERROR = (
 _MAX_ISSUES = 5
 
 _ACTION = re.compile(r"^[ \t]*Action[ \t]*:[ \t]*(.*)$", re.MULTILINE)
-_ACTION_INPUT = re.compile(r"^[ \t]*Action[ \t]+Input[ \t]*:[ \t]*", re.MULTILINE)
-_WHITESPACE = re.compile(r"\s*")
+# group 1 (a lookahead, so matches do not move) is the whitespace before the JSON value
+_ACTION_INPUT = re.compile(r"^[ \t]*Action[ \t]+Input[ \t]*:[ \t]*(?=(\s*))", re.MULTILINE)
 _MAX_DEPTH = 32
 _NAME = re.compile(r"[A-Za-z_][\w.\-]*")
 _FENCE = re.compile(r"```[^\n`]*\n(.*?)```", re.DOTALL)
@@ -72,7 +73,7 @@ class _FormatError(ValueError):
     """The response cannot be read as tool calls; the message says why (shown as feedback)."""
 
 
-def parse_react_steps(response_text: str) -> list[tuple[str, dict]]:
+def parse_react_steps(response_text: str) -> list[tuple[str, dict[str, Any]]]:
     """Ordered (action, input) pairs; raises ValueError (with the reason) on malformed steps."""
     events: list[tuple[int, str, Any]] = []
     for m in _ACTION.finditer(response_text):
@@ -82,8 +83,9 @@ def parse_react_steps(response_text: str) -> list[tuple[str, dict]]:
         events.append((m.start(), "action", name.group(0)))
     decoder = json.JSONDecoder()
     for m in _ACTION_INPUT.finditer(response_text):
-        start = _WHITESPACE.match(response_text, m.end()).end()  # type: ignore[union-attr]
-        value = _decode_json(lambda: decoder.raw_decode(response_text, start)[0], "an Action Input")
+        start = m.end(1)
+        # the parser is called at once, before the loop moves on
+        value = _decode_json(lambda: decoder.raw_decode(response_text, start)[0], "an Action Input")  # noqa: B023
         if not isinstance(value, dict):
             raise _FormatError(f"an Action Input is a JSON {type(value).__name__}, not a JSON object.")
         events.append((m.start(), "input", value))
@@ -104,7 +106,9 @@ def parse_react_steps(response_text: str) -> list[tuple[str, dict]]:
 def _has_call_lines(text: str) -> bool:
     """Whether a line containing "Action:" is directly followed by one starting "Action Input:"."""
     lines = text.split("\n")
-    return any("Action:" in line and following.startswith("Action Input:") for line, following in zip(lines, lines[1:]))
+    return any(
+        "Action:" in line and following.startswith("Action Input:") for line, following in itertools.pairwise(lines)
+    )
 
 
 def _depth(value: Any) -> int:
@@ -133,7 +137,7 @@ def _decode_json(parse: Any, what: str) -> Any:
     return value
 
 
-def _gold_steps(label: str) -> list[tuple[str, dict]]:
+def _gold_steps(label: str) -> list[tuple[str, dict[str, Any]]]:
     gold = json.loads(label)
     if not isinstance(gold, list):
         raise ValueError(f"a tool-use label must be a JSON list of steps, got {type(gold).__name__}")
@@ -149,9 +153,9 @@ def _gold_steps(label: str) -> list[tuple[str, dict]]:
     return steps
 
 
-def _step_issues(got: list[tuple[str, dict]], gold: list[tuple[str, dict]]) -> list[str]:
+def _step_issues(got: list[tuple[str, dict[str, Any]]], gold: list[tuple[str, dict[str, Any]]]) -> list[str]:
     issues = []
-    for i, ((name, args), (gold_name, gold_args)) in enumerate(zip(got, gold)):
+    for i, ((name, args), (gold_name, gold_args)) in enumerate(zip(got, gold, strict=False)):
         where = f"Step {i + 1}"
         if name != gold_name:
             issues.append(f"{where}: '{name}' is not the right tool for this step.")
@@ -321,7 +325,7 @@ def _accepted(value: Any, candidate: Any) -> bool:
         return value is candidate
     if isinstance(value, (int, float)) and isinstance(candidate, (int, float)):
         return value == candidate
-    return _normalise(value) == _normalise(candidate)
+    return bool(_normalise(value) == _normalise(candidate))
 
 
 def _show(value: Any) -> str:
@@ -329,7 +333,7 @@ def _show(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _call_issues(call: FunctionCall, expected: dict[str, list], schema: dict | None) -> list[str]:
+def _call_issues(call: FunctionCall, expected: dict[str, list[Any]], schema: dict[str, Any] | None) -> list[str]:
     issues = []
     properties = (schema or {}).get("parameters", {}).get("properties", {})
     for arg in call.arguments:
@@ -354,7 +358,7 @@ def _call_issues(call: FunctionCall, expected: dict[str, list], schema: dict | N
 
 
 def check_function_calls(
-    calls: list[FunctionCall], ground_truth: list[dict[str, dict[str, list]]], functions: list[dict]
+    calls: list[FunctionCall], ground_truth: list[dict[str, dict[str, list[Any]]]], functions: list[dict[str, Any]]
 ) -> list[str]:
     """The problems with `calls` against BFCL ground truth (empty list: all correct)."""
     schemas = {f["name"]: f for f in functions}

@@ -36,7 +36,7 @@ def restore_trainer(run: Run, iteration: int) -> MegatronTrainer:
     of the state, the shards and the seed); each replayed iteration is checked against the policy
     checkpoint it committed.
     """
-    from storage.shards import read_stage_columns
+    from storage.shard_reader import read_stage_columns
     from tasks.runtime import checkpoint_dir
 
     start = full_state_iteration(run, iteration)

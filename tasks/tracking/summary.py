@@ -85,7 +85,7 @@ class RunSummary:
 
 def sample_table(run: Run, iteration: int, *, limit: int = 24) -> list[dict[str, Any]]:
     """The first samples of an iteration: prompt, response, reward, feedback, teacher prompt, mask."""
-    from storage.shards import read_stage_columns
+    from storage.shard_reader import read_stage_columns
 
     cols = read_stage_columns(
         run.layout,

@@ -160,7 +160,7 @@ def mask_reason(data: RunData, index: IterationIndex, i: int, *, demo: int | Non
 
 
 def _row_dict(table: pa.Table) -> dict[str, Any]:
-    from storage.shards import ragged, topk
+    from storage.shard_columns import ragged, topk
 
     row: dict[str, Any] = {}
     for name in table.column_names:

@@ -120,7 +120,7 @@ def assert_same_rollout(expected: Any, got: Any, n: int) -> int:
     """
     import numpy as np
 
-    from storage.shards import read_stage_columns
+    from storage.shard_reader import read_stage_columns
 
     a = read_stage_columns(expected, n, "rollout")
     b = read_stage_columns(got, n, "rollout")

@@ -25,7 +25,7 @@ def test_two_iterations_commit_shards_checkpoints_and_metrics(tmp_path, prefect_
     from storage.checkpoints import lineage
     from storage.layout import RunLayout
     from storage.manifest import read_iteration_manifest, read_latest
-    from storage.shards import read_stage_columns
+    from storage.shard_reader import read_stage_columns
 
     config = write_config(tmp_path, "tiny", tracking={"register_model": "tiny-policy", "log_model": True})
     monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "1")
@@ -181,7 +181,7 @@ def test_a_run_on_s3_keeps_everything_in_the_bucket_and_credentials_out_of_it(
 def test_megatron_teacher_backend_scores_like_the_embedded_scorer(tmp_path, prefect_server):
     from flows.run import sdpo_run
     from storage.layout import RunLayout
-    from storage.shards import read_stage_columns
+    from storage.shard_reader import read_stage_columns
 
     sdpo_run(str(write_config(tmp_path, "hf-teacher")), ["iterations=1"])
     sdpo_run(str(write_config(tmp_path, "mc-teacher", teacher={"backend": "megatron"})), ["iterations=1"])

@@ -11,7 +11,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from sdpo_core.teacher_context import strip_thinking
-from storage.shards import read_stage_columns
+from storage.shard_reader import read_stage_columns
 from tasks.viewer.app import create_app
 from tasks.viewer.data import RunData
 from tasks.viewer.render import credit_colour

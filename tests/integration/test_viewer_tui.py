@@ -8,7 +8,7 @@ import asyncio
 import numpy as np
 import pytest
 
-from storage.shards import read_stage_columns
+from storage.shard_reader import read_stage_columns
 from tasks.viewer.data import RunData
 from tasks.viewer.render import credit_colour
 from tasks.viewer.tui import ViewerApp

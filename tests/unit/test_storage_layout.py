@@ -100,6 +100,14 @@ def test_layout_repr_hides_storage_options() -> None:
     assert "hunter2" not in repr(layout) and "hunter2" not in repr(layout.store)
 
 
+def test_layouts_of_one_run_are_equal_whatever_their_stores() -> None:
+    one, two = RunLayout("memory://x", "r"), RunLayout("memory://x", "r")
+    assert one.store is not two.store
+    assert one == two and hash(one) == hash(two)
+    assert "ObjectStore" not in repr(one)
+    assert RunLayout("memory://x", "other") != one
+
+
 def test_run_config_is_frozen_at_creation(root: str) -> None:
     layout = RunLayout(root, "r")
     created = create_or_open_run(layout, CONFIG)

@@ -8,7 +8,8 @@ import pytest
 
 from storage.layout import RunLayout, create_or_open_run
 from storage.lookup import ROW_COLUMN, SHARD_COLUMN, read_index, read_rows
-from storage.shards import read_stage_columns, write_stage
+from storage.shard_reader import read_stage_columns
+from storage.shard_writer import write_stage
 from storage.synthetic import synthetic_columns
 
 K = 4

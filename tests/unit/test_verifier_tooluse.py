@@ -52,6 +52,11 @@ def test_an_action_without_input_gets_an_empty_dict():
     assert verify(text, label, truncated=False).reward == 1.0
 
 
+def test_an_input_may_start_on_a_later_line():
+    text = "Action: getForecast\nAction Input:\n\n  {\"days\": 3}\nAction: getRandom\nAction Input: \t{}\n"
+    assert parse_react_steps(text) == [("getForecast", {"days": 3}), ("getRandom", {})]
+
+
 def test_multiline_json_inputs_are_read_whole():
     text = "Action: getForecast\nAction Input: {\n  \"city\": \"Lima\",\n  \"days\": 3\n}\n"
     assert parse_react_steps(text) == [("getForecast", {"city": "Lima", "days": 3})]
