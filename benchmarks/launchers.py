@@ -34,9 +34,18 @@ LAUNCHERS = {
 
 def run(root: Path, name: str, iterations: int, extra: list[str], cache: Path) -> float:
     args = [
-        sys.executable, "-m", "flows.cli", "run", str(REPO / "configs" / "demo.yaml"),
-        f"name={name}", f"iterations={iterations}", f"storage.root={root}", f"storage.cache_dir={cache}",
-        "eval.every=0", f"tracking.uri=sqlite:///{root / 'mlflow.db'}", *extra,
+        sys.executable,
+        "-m",
+        "flows.cli",
+        "run",
+        str(REPO / "configs" / "demo.yaml"),
+        f"name={name}",
+        f"iterations={iterations}",
+        f"storage.root={root}",
+        f"storage.cache_dir={cache}",
+        "eval.every=0",
+        f"tracking.uri=sqlite:///{root / 'mlflow.db'}",
+        *extra,
     ]
     started = time.perf_counter()
     done = subprocess.run(args, cwd=REPO, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
@@ -52,7 +61,7 @@ def per_iteration(root: Path, name: str, iterations: int) -> tuple[list[float], 
         manifest = json.loads((root / name / f"iter-{n}" / "_manifest.json").read_text())
         stamps.append(dt.datetime.fromisoformat(manifest["created_at"]))
         inside.append(sum(manifest["metrics"].get(f"{s}/stage_seconds", 0.0) for s in ("rollout", "teacher", "train")))
-    walls = [(b - a).total_seconds() for a, b in zip(stamps, stamps[1:])]
+    walls = [(b - a).total_seconds() for a, b in zip(stamps, stamps[1:], strict=False)]
     return walls, inside[1:]
 
 
@@ -70,7 +79,9 @@ def main() -> None:
             walls, inside = per_iteration(root, launcher, args.iterations)
             rows[launcher] = (statistics.median(walls), statistics.median(inside), total)
         ref = rows["inprocess"][0]
-        print(f"{'launcher':<11} {'s/iteration':>12} {'stage compute':>14} {'overhead vs inprocess':>22} {'whole run s':>12}")
+        print(
+            f"{'launcher':<11} {'s/iteration':>12} {'stage compute':>14} {'overhead vs inprocess':>22} {'whole run s':>12}"
+        )
         for launcher, (wall, inside, total) in rows.items():
             print(f"{launcher:<11} {wall:>12.2f} {inside:>14.2f} {wall - ref:>+21.2f}s {total:>12.1f}")
         print(f"(median of iterations 2..{args.iterations}; demo config, eval.every=0, {os.cpu_count()} cores)")

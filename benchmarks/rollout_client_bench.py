@@ -33,8 +33,8 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tasks.data.bootstrap_model import build_model, build_tokenizer, prompt_ids  # noqa: E402
 from tasks.config import SGLangConfig  # noqa: E402
+from tasks.data.bootstrap_model import build_model, build_tokenizer, prompt_ids  # noqa: E402
 from tasks.engines.embedded import EmbeddedEngine  # noqa: E402
 from tasks.engines.sglang.client import SGLangEngine  # noqa: E402
 from tasks.engines.sglang.weights import checkpoint_weight_version  # noqa: E402
@@ -58,8 +58,17 @@ def timed(fn: Callable[[], object]) -> float:
 def start_server(checkpoint: Path, port: int) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     command = [
-        sys.executable, "-m", "tests.sglang_server.app", "--model-path", str(checkpoint), "--port", str(port),
-        "--weight-version", checkpoint_weight_version(checkpoint), "--log-level", "error",
+        sys.executable,
+        "-m",
+        "tests.sglang_server.app",
+        "--model-path",
+        str(checkpoint),
+        "--port",
+        str(port),
+        "--weight-version",
+        checkpoint_weight_version(checkpoint),
+        "--log-level",
+        "error",
     ]
     return subprocess.Popen(command, cwd=ROOT, env=env)
 
@@ -91,25 +100,32 @@ def main() -> None:
         url = f"http://127.0.0.1:{port}"
         try:
             embedded = EmbeddedEngine(str(checkpoint), max_batch_size=64)
-            client = SGLangEngine(
-                SGLangConfig(urls=[url], health_timeout_s=120.0, max_concurrency=64), str(checkpoint)
-            )
+            client = SGLangEngine(SGLangConfig(urls=[url], health_timeout_s=120.0, max_concurrency=64), str(checkpoint))
             rows = []
             for name, (num_prompts, group, tokens) in WORKLOADS.items():
-                kwargs = dict(n=group, temperature=1.0, top_p=1.0, max_new_tokens=tokens, stop_token_ids=stop,
-                              top_k_logprobs=TOP_K, seed=0)
+                kwargs = dict(
+                    n=group,
+                    temperature=1.0,
+                    top_p=1.0,
+                    max_new_tokens=tokens,
+                    stop_token_ids=stop,
+                    top_k_logprobs=TOP_K,
+                    seed=0,
+                )
                 batch = prompts[:num_prompts]
                 out = embedded.generate(batch, **kwargs)  # warm both paths (and the client's log-prob probe)
                 client.generate(batch, **kwargs)
                 generated = sum(len(g.response_ids) for grp in out for g in grp)
                 engines = (("embedded, in-process", embedded), ("SGLang client -> test server", client))
                 for engine_name, engine in engines:
-                    seconds = statistics.median(timed(lambda e=engine: e.generate(batch, **kwargs))
-                                                for _ in range(args.repeats))
+                    seconds = statistics.median(
+                        timed(lambda e=engine: e.generate(batch, **kwargs)) for _ in range(args.repeats)
+                    )
                     rows.append((name, engine_name, generated, seconds, generated / seconds))
 
-            one = dict(n=1, temperature=1.0, top_p=1.0, max_new_tokens=1, stop_token_ids=stop, top_k_logprobs=TOP_K,
-                       seed=0)
+            one = dict(
+                n=1, temperature=1.0, top_p=1.0, max_new_tokens=1, stop_token_ids=stop, top_k_logprobs=TOP_K, seed=0
+            )
             latency = {}
             for engine_name, engine in (("embedded", embedded), ("client", client)):
                 engine.generate(prompts[:1], **one)
@@ -118,9 +134,12 @@ def main() -> None:
                 )
             body = {  # what the client sends for that call
                 "input_ids": [prompts[0]],
-                "sampling_params": [{"temperature": 1.0, "top_p": 1.0, "max_new_tokens": 1, "stop_token_ids": stop,
-                                     "sampling_seed": 0}],
-                "return_logprob": True, "top_logprobs_num": TOP_K, "logprob_start_len": -1,
+                "sampling_params": [
+                    {"temperature": 1.0, "top_p": 1.0, "max_new_tokens": 1, "stop_token_ids": stop, "sampling_seed": 0}
+                ],
+                "return_logprob": True,
+                "top_logprobs_num": TOP_K,
+                "logprob_start_len": -1,
             }
             with httpx.Client() as http:
                 http.get(f"{url}/health")
@@ -138,8 +157,10 @@ def main() -> None:
             server.wait(timeout=30)
 
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    print(f"\nRollout throughput (median of {args.repeats}; top-{TOP_K} log-probs; OMP_NUM_THREADS="
-          f"{os.environ.get('OMP_NUM_THREADS', 'unset')}; {os.cpu_count()} CPUs, load average {load})\n")
+    print(
+        f"\nRollout throughput (median of {args.repeats}; top-{TOP_K} log-probs; OMP_NUM_THREADS="
+        f"{os.environ.get('OMP_NUM_THREADS', 'unset')}; {os.cpu_count()} CPUs, load average {load})\n"
+    )
     print("| workload | engine | tokens | seconds | tokens/s |")
     print("|---|---|---:|---:|---:|")
     for name, engine_name, generated, seconds, rate in rows:

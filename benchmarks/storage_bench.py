@@ -65,14 +65,22 @@ def layout_candidates(*, rows: int, tokens: int, k: int, vocab: int) -> list[dic
         for dtype in ("float32", "float16"):
             candidates.append((f"{label}, zstd, pyarrow defaults", layout, dtype, {"compression": "zstd"}))
             encoding = {f"{c}.{bss_leaf[layout]}": "BYTE_STREAM_SPLIT" for c in ("topk_ids", "topk_logprobs")}
-            options = {"compression": "zstd", "compression_level": 1, "use_dictionary": False,
-                       "column_encoding": encoding}
+            options = {
+                "compression": "zstd",
+                "compression_level": 1,
+                "use_dictionary": False,
+                "column_encoding": encoding,
+            }
             chosen = " (chosen)" if layout == "fixed" else ""
             candidates.append((f"{label}, zstd(1) + BYTE_STREAM_SPLIT{chosen}", layout, dtype, options))
     for level in (3, 9):
         encoding = {f"{c}.list.element.list.element": "BYTE_STREAM_SPLIT" for c in ("topk_ids", "topk_logprobs")}
-        options = {"compression": "zstd", "compression_level": level, "use_dictionary": False,
-                   "column_encoding": encoding}
+        options = {
+            "compression": "zstd",
+            "compression_level": level,
+            "use_dictionary": False,
+            "column_encoding": encoding,
+        }
         candidates.append((f"list<fixed_size_list<K>>, zstd({level}) + BYTE_STREAM_SPLIT", "fixed", "float32", options))
     results = []
     for label, layout, dtype, options in candidates:
@@ -93,13 +101,17 @@ def layout_candidates(*, rows: int, tokens: int, k: int, vocab: int) -> list[dic
                 name = chunk.path_in_schema.split(".")[0]
                 per_column[name] = per_column.get(name, 0) + chunk.total_compressed_size
         n_tokens = rows * tokens
-        results.append({
-            "layout": label, "logprobs": dtype,
-            "ids_b_per_token": per_column["topk_ids"] / n_tokens,
-            "logprobs_b_per_token": per_column["topk_logprobs"] / n_tokens,
-            "b_per_token": sum(per_column.values()) / n_tokens,
-            "write_s": write_s, "read_s": read_s,
-        })
+        results.append(
+            {
+                "layout": label,
+                "logprobs": dtype,
+                "ids_b_per_token": per_column["topk_ids"] / n_tokens,
+                "logprobs_b_per_token": per_column["topk_logprobs"] / n_tokens,
+                "b_per_token": sum(per_column.values()) / n_tokens,
+                "write_s": write_s,
+                "read_s": read_s,
+            }
+        )
     return results
 
 
@@ -108,8 +120,17 @@ def make_batches(*, samples: int, tokens: int, k: int, vocab: int) -> list[dict[
     batches = []
     for start in range(0, samples, CHUNK_ROWS):
         rows = min(CHUNK_ROWS, samples - start)
-        batches.append(synthetic_columns(iteration=0, n_rows=rows, top_k=k, rng=np.random.default_rng(start),
-                                         response_len=(tokens, tokens), vocab=vocab, first_sample_id=start))
+        batches.append(
+            synthetic_columns(
+                iteration=0,
+                n_rows=rows,
+                top_k=k,
+                rng=np.random.default_rng(start),
+                response_len=(tokens, tokens),
+                vocab=vocab,
+                first_sample_id=start,
+            )
+        )
     return batches
 
 
@@ -133,8 +154,15 @@ def read_stage(layout: RunLayout) -> int:
     return tokens
 
 
-def bench_backend(name: str, make_layout: Callable[[], RunLayout], batches: list[dict[str, Any]], *,
-                  k: int, repeats: int, expected_tokens: int) -> dict[str, Any]:
+def bench_backend(
+    name: str,
+    make_layout: Callable[[], RunLayout],
+    batches: list[dict[str, Any]],
+    *,
+    k: int,
+    repeats: int,
+    expected_tokens: int,
+) -> dict[str, Any]:
     writes, reads, manifest = [], [], None
     for i in range(repeats):
         layout = make_layout()
@@ -152,11 +180,17 @@ def bench_backend(name: str, make_layout: Callable[[], RunLayout], batches: list
     topk_bytes = sum(f["column_bytes"]["topk_ids"] + f["column_bytes"]["topk_logprobs"] for f in manifest["files"])
     response_tokens = sum(f["response_tokens"] for f in manifest["files"])
     return {
-        "backend": name, "stored_mb": stored / 1e6, "files": len(manifest["files"]),
-        "write_s": statistics.median(writes), "read_s": statistics.median(reads),
-        "write_mb_s": stored / 1e6 / statistics.median(writes), "read_mb_s": stored / 1e6 / statistics.median(reads),
-        "topk_b_per_token": topk_bytes / response_tokens, "row_b_per_token": stored / response_tokens,
-        "writes": writes, "reads": reads,
+        "backend": name,
+        "stored_mb": stored / 1e6,
+        "files": len(manifest["files"]),
+        "write_s": statistics.median(writes),
+        "read_s": statistics.median(reads),
+        "write_mb_s": stored / 1e6 / statistics.median(writes),
+        "read_mb_s": stored / 1e6 / statistics.median(reads),
+        "topk_b_per_token": topk_bytes / response_tokens,
+        "row_b_per_token": stored / response_tokens,
+        "writes": writes,
+        "reads": reads,
     }
 
 
@@ -168,8 +202,11 @@ def _free_port() -> int:
 
 def start_moto() -> tuple[subprocess.Popen[bytes], str]:
     port = _free_port()
-    process = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         with socket.socket() as s:
@@ -192,51 +229,86 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
 
-    print(f"# part 1: top-K layouts ({args.layout_samples} samples x {args.tokens} tokens x K={args.top_k}, "
-          f"vocab {args.vocab}, row groups of 256 samples)", flush=True)
+    print(
+        f"# part 1: top-K layouts ({args.layout_samples} samples x {args.tokens} tokens x K={args.top_k}, "
+        f"vocab {args.vocab}, row groups of 256 samples)",
+        flush=True,
+    )
     print("| layout | logprobs | ids B/token | logprobs B/token | top-K B/token | write s | read s |")
     print("|---|---|---|---|---|---|---|")
     for r in layout_candidates(rows=args.layout_samples, tokens=args.tokens, k=args.top_k, vocab=args.vocab):
-        print(f"| {r['layout']} | {r['logprobs']} | {r['ids_b_per_token']:.1f} | {r['logprobs_b_per_token']:.1f} | "
-              f"**{r['b_per_token']:.1f}** | {r['write_s']:.2f} | {r['read_s']:.2f} |", flush=True)
+        print(
+            f"| {r['layout']} | {r['logprobs']} | {r['ids_b_per_token']:.1f} | {r['logprobs_b_per_token']:.1f} | "
+            f"**{r['b_per_token']:.1f}** | {r['write_s']:.2f} | {r['read_s']:.2f} |",
+            flush=True,
+        )
 
     started = time.perf_counter()
     batches = make_batches(samples=args.samples, tokens=args.tokens, k=args.top_k, vocab=args.vocab)
     expected_tokens = args.samples * args.tokens
-    print(f"\n# part 2: {args.samples} samples x {args.tokens} tokens x K={args.top_k} through storage "
-          f"(generated in {time.perf_counter() - started:.1f}s), {args.repeats} repeats, medians", flush=True)
+    print(
+        f"\n# part 2: {args.samples} samples x {args.tokens} tokens x K={args.top_k} through storage "
+        f"(generated in {time.perf_counter() - started:.1f}s), {args.repeats} repeats, medians",
+        flush=True,
+    )
     results = []
     scratch = Path(tempfile.mkdtemp(prefix="storage-bench-"))
     try:
-        results.append(bench_backend("file://", lambda: RunLayout(str(scratch), f"bench-{uuid.uuid4().hex[:8]}"),
-                                     batches, k=args.top_k, repeats=args.repeats, expected_tokens=expected_tokens))
+        results.append(
+            bench_backend(
+                "file://",
+                lambda: RunLayout(str(scratch), f"bench-{uuid.uuid4().hex[:8]}"),
+                batches,
+                k=args.top_k,
+                repeats=args.repeats,
+                expected_tokens=expected_tokens,
+            )
+        )
         if not args.skip_s3:
             import boto3
 
             process, endpoint = start_moto()
             try:
-                options = {"endpoint_url": endpoint, "key": "bench", "secret": "bench",
-                           "client_kwargs": {"region_name": REGION}}
-                boto3.client("s3", endpoint_url=endpoint, region_name=REGION, aws_access_key_id="bench",
-                             aws_secret_access_key="bench").create_bucket(
-                    Bucket="bench", CreateBucketConfiguration={"LocationConstraint": REGION})
-                results.append(bench_backend(
-                    "s3:// (moto)",
-                    lambda: RunLayout("s3://bench/runs", f"bench-{uuid.uuid4().hex[:8]}", storage_options=options),
-                    batches, k=args.top_k, repeats=args.repeats, expected_tokens=expected_tokens))
+                options = {
+                    "endpoint_url": endpoint,
+                    "key": "bench",
+                    "secret": "bench",
+                    "client_kwargs": {"region_name": REGION},
+                }
+                boto3.client(
+                    "s3",
+                    endpoint_url=endpoint,
+                    region_name=REGION,
+                    aws_access_key_id="bench",
+                    aws_secret_access_key="bench",
+                ).create_bucket(Bucket="bench", CreateBucketConfiguration={"LocationConstraint": REGION})
+                results.append(
+                    bench_backend(
+                        "s3:// (moto)",
+                        lambda: RunLayout("s3://bench/runs", f"bench-{uuid.uuid4().hex[:8]}", storage_options=options),
+                        batches,
+                        k=args.top_k,
+                        repeats=args.repeats,
+                        expected_tokens=expected_tokens,
+                    )
+                )
             finally:
                 process.terminate()
                 process.wait(timeout=30)
     finally:
         shutil.rmtree(scratch)
 
-    print("\n| backend | stored MB | files | write s | write MB/s | read+verify s | read MB/s | top-K B/token "
-          "| all columns B/token |")
+    print(
+        "\n| backend | stored MB | files | write s | write MB/s | read+verify s | read MB/s | top-K B/token "
+        "| all columns B/token |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
-        print(f"| {r['backend']} | {r['stored_mb']:.0f} | {r['files']} | {r['write_s']:.2f} | {r['write_mb_s']:.0f} | "
-              f"{r['read_s']:.2f} | {r['read_mb_s']:.0f} | **{r['topk_b_per_token']:.1f}** | "
-              f"{r['row_b_per_token']:.1f} |")
+        print(
+            f"| {r['backend']} | {r['stored_mb']:.0f} | {r['files']} | {r['write_s']:.2f} | {r['write_mb_s']:.0f} | "
+            f"{r['read_s']:.2f} | {r['read_mb_s']:.0f} | **{r['topk_b_per_token']:.1f}** | "
+            f"{r['row_b_per_token']:.1f} |"
+        )
     for r in results:
         writes, reads = [round(x, 2) for x in r["writes"]], [round(x, 2) for x in r["reads"]]
         print(f"{r['backend']}: writes {writes} s, reads {reads} s")

@@ -106,30 +106,58 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="viewer-bench-"))
     try:
         started = time.perf_counter()
-        layout = write_synthetic_run(str(work / "runs"), "bench", local_dir=work, rows=args.rows,
-                                     group_size=args.group_size, seed=0, top_k=args.top_k, texts=None,
-                                     response_len=(32, 512), rows_per_shard=4096, row_group_size=256)
+        write_synthetic_run(
+            str(work / "runs"),
+            "bench",
+            local_dir=work,
+            rows=args.rows,
+            group_size=args.group_size,
+            seed=0,
+            top_k=args.top_k,
+            texts=None,
+            response_len=(32, 512),
+            rows_per_shard=4096,
+            row_group_size=256,
+        )
         shard_bytes = sum(p.stat().st_size for p in (work / "runs" / "bench" / "iter-1" / "teacher").glob("*.parquet"))
-        print(f"wrote {args.rows} samples (K={args.top_k}, responses 32-512 tokens, teacher shards "
-              f"{shard_bytes / 2**20:.0f} MiB) in {time.perf_counter() - started:.0f} s", file=sys.stderr)
+        print(
+            f"wrote {args.rows} samples (K={args.top_k}, responses 32-512 tokens, teacher shards "
+            f"{shard_bytes / 2**20:.0f} MiB) in {time.perf_counter() - started:.0f} s",
+            file=sys.stderr,
+        )
 
         results: list[tuple[str, float]] = []
         server, thread, url = _serve(RunData(str(work / "runs"), "bench"))
         with httpx.Client(base_url=url, timeout=300) as client:
-            results.append(("API: first list page, cold server (builds the index)",
-                            _timed(client, "/api/iterations/1/samples", limit=50)))
+            results.append(
+                (
+                    "API: first list page, cold server (builds the index)",
+                    _timed(client, "/api/iterations/1/samples", limit=50),
+                )
+            )
             rng = __import__("random").Random(0)
             pages = {
-                "API: list page sorted by reward": [("/api/iterations/1/samples", {"sort": "reward", "order": "desc",
-                                                     "offset": rng.randrange(0, args.rows - 50)}) for _ in range(args.repeats)],
-                "API: list page sorted by divergence, masked only": [("/api/iterations/1/samples", {
-                    "sort": "divergence", "order": "desc", "mask": "masked"}) for _ in range(args.repeats)],
-                "API: list page, text search": [("/api/iterations/1/samples", {"q": "therefore box", "sort": "length"})
-                                                for _ in range(args.repeats)],
+                "API: list page sorted by reward": [
+                    (
+                        "/api/iterations/1/samples",
+                        {"sort": "reward", "order": "desc", "offset": rng.randrange(0, args.rows - 50)},
+                    )
+                    for _ in range(args.repeats)
+                ],
+                "API: list page sorted by divergence, masked only": [
+                    ("/api/iterations/1/samples", {"sort": "divergence", "order": "desc", "mask": "masked"})
+                    for _ in range(args.repeats)
+                ],
+                "API: list page, text search": [
+                    ("/api/iterations/1/samples", {"q": "therefore box", "sort": "length"}) for _ in range(args.repeats)
+                ],
                 "API: one sample (tokens, top-K, teacher context)": [
-                    (f"/api/iterations/1/samples/{rng.randrange(args.rows)}", {}) for _ in range(args.repeats)],
-                "API: one group": [(f"/api/iterations/1/groups/{rng.randrange(args.rows // args.group_size)}", {})
-                                   for _ in range(args.repeats)],
+                    (f"/api/iterations/1/samples/{rng.randrange(args.rows)}", {}) for _ in range(args.repeats)
+                ],
+                "API: one group": [
+                    (f"/api/iterations/1/groups/{rng.randrange(args.rows // args.group_size)}", {})
+                    for _ in range(args.repeats)
+                ],
             }
             for name, requests in pages.items():
                 results.append((name, _median(client, requests)))
@@ -140,18 +168,30 @@ def main() -> None:
             driver = _browser()
             try:
                 results.append(("browser: first paint, cold server", _first_paint(driver, url + "/")))
-                results.append(("browser: first paint, warm server",
-                                statistics.median(_first_paint(driver, url + "/") for _ in range(5))))
-                turns = [_browser_step(
-                    driver, "window.__first = document.querySelector('tr.sample-row').dataset.sampleId;"
-                            "document.getElementById('next').click();",
-                    "return document.querySelector('tr.sample-row').dataset.sampleId !== window.__first")
-                    for _ in range(args.repeats)]
+                results.append(
+                    (
+                        "browser: first paint, warm server",
+                        statistics.median(_first_paint(driver, url + "/") for _ in range(5)),
+                    )
+                )
+                turns = [
+                    _browser_step(
+                        driver,
+                        "window.__first = document.querySelector('tr.sample-row').dataset.sampleId;"
+                        "document.getElementById('next').click();",
+                        "return document.querySelector('tr.sample-row').dataset.sampleId !== window.__first",
+                    )
+                    for _ in range(args.repeats)
+                ]
                 results.append(("browser: page turn (next 50 rows)", statistics.median(turns)))
-                opens = [_browser_step(
-                    driver, f"document.body.dataset.ready = ''; "
-                            f"document.querySelectorAll('tr.sample-row')[{j}].click();",
-                    "return document.body.dataset.ready === 'sample'") for j in range(args.repeats)]
+                opens = [
+                    _browser_step(
+                        driver,
+                        f"document.body.dataset.ready = ''; document.querySelectorAll('tr.sample-row')[{j}].click();",
+                        "return document.body.dataset.ready === 'sample'",
+                    )
+                    for j in range(args.repeats)
+                ]
                 results.append(("browser: open a sample until its tokens show", statistics.median(opens)))
             finally:
                 driver.quit()

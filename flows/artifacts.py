@@ -39,7 +39,9 @@ def _metric_rows(metrics: dict[str, float], prefixes: tuple[str, ...]) -> list[s
     return [f"| `{k}` | {v:.4g} |" for k, v in sorted(metrics.items()) if k.startswith(prefixes)]
 
 
-def iteration_markdown(run: Any, n: int, metrics: dict[str, float], *, mlflow_link: str | None, checkpoint_url: str) -> str:
+def iteration_markdown(
+    run: Any, n: int, metrics: dict[str, float], *, mlflow_link: str | None, checkpoint_url: str
+) -> str:
     """Markdown of iteration n: reward and losses, teacher coverage, eval when measured, stage times, links."""
     from tasks.viewer import view_command
 
@@ -56,7 +58,9 @@ def iteration_markdown(run: Any, n: int, metrics: dict[str, float], *, mlflow_li
         "",
         "| metric | value |",
         "|---|---|",
-        *_metric_rows(metrics, ("rollout/reward", "rollout/accuracy", "loss/", "sdpo/", "grpo/", "train/loss", "eval/")),
+        *_metric_rows(
+            metrics, ("rollout/reward", "rollout/accuracy", "loss/", "sdpo/", "grpo/", "train/loss", "eval/")
+        ),
         "",
         "| stage | seconds |",
         "|---|---|",
@@ -66,7 +70,9 @@ def iteration_markdown(run: Any, n: int, metrics: dict[str, float], *, mlflow_li
         "",
         f"Samples and per-token credit: `{view_command(run.cfg.name, run.cfg.storage.root)}`",
         "",
-        f"MLflow run: [{mlflow_link}]({mlflow_link})" if mlflow_link else "MLflow: tracking off or no `tracking.ui_url`",
+        f"MLflow run: [{mlflow_link}]({mlflow_link})"
+        if mlflow_link
+        else "MLflow: tracking off or no `tracking.ui_url`",
     ]
     return "\n".join(lines)
 
@@ -88,7 +94,9 @@ def publish_iteration(run: Any, tracker: Any, n: int, metrics: dict[str, float],
         key=artifact_key(name, "samples"),
         description=f"{name} iteration {n}: prompt, response, reward, feedback, teacher context",
     )
-    create_link_artifact(checkpoint_url, link_text=f"policy checkpoint of iteration {n}", key=artifact_key(name, "checkpoint"))
+    create_link_artifact(
+        checkpoint_url, link_text=f"policy checkpoint of iteration {n}", key=artifact_key(name, "checkpoint")
+    )
     if link is not None:
         create_link_artifact(link, link_text=f"MLflow run of {name}", key=artifact_key(name, "mlflow"))
 

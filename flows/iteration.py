@@ -163,8 +163,8 @@ def _advance_locked(cfg: Any, layout: Any, *, allow_config_change: bool) -> Any:
     """The body of `sdpo_advance`, holding the run lock."""
     from storage.manifest import read_iteration_manifest, read_latest
     from tasks.runtime import start_run
-    from tasks.tracking.summary import RunSummary
     from tasks.tracking.experiment import open_tracker
+    from tasks.tracking.summary import RunSummary
 
     run = start_run(cfg, layout, allow_config_change=allow_config_change)
     latest = min(read_latest(layout) or 0, cfg.iterations)

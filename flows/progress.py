@@ -34,12 +34,25 @@ def describe(layout: Any, latest: int, total: int) -> str:
 @contextlib.contextmanager
 def iteration_progress(layout: Any, total: int, console: Any) -> Iterator[None]:
     """Show the bar on `console` while the body runs (log lines on the same console print above it)."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
     from storage.manifest import read_latest
 
     stop = threading.Event()
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn())
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+    )
     # ETA from the iterations done in this session, however long one takes
     with Progress(*columns, console=console, transient=True, speed_estimate_period=24 * 3600) as bar:
         start = min(read_latest(layout) or 0, total)

@@ -1,8 +1,8 @@
 """A whole run as a Prefect flow: create or resume it, then bring every iteration to done.
 
-    base model -> for n in 0..N: complete_iteration(n)  [iteration n, its evaluation when due,
-                                                          its MLflow step, its Prefect artifacts]
-               -> summary (MLflow artifacts, the Prefect run summary)
+base model -> for n in 0..N: complete_iteration(n)  [iteration n, its evaluation when due,
+                                                      its MLflow step, its Prefect artifacts]
+           -> summary (MLflow artifacts, the Prefect run summary)
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ def sdpo_run(
     from tasks.config import load_config
     from tasks.preflight import preflight
     from tasks.runtime import run_layout, start_run
-    from tasks.tracking.summary import RunSummary
     from tasks.tracking.experiment import open_tracker
+    from tasks.tracking.summary import RunSummary
 
     quiet_libraries()
     cfg = load_config(config_path, overrides or [])

@@ -404,4 +404,3 @@ def policy_loss(
         loss = blend_lambda * grpo_loss + (1.0 - blend_lambda) * sdpo_loss
     metrics["loss/total"] = float(loss.detach())
     return LossOutputs(loss=loss, metrics=metrics, metric_counts=counts)
-

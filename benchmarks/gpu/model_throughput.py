@@ -42,9 +42,20 @@ def synthetic_columns(*, samples: int, seq: int, k: int, vocab: int, seed: int) 
     rng = np.random.default_rng(seed)
     prompt_len = seq // 8
     resp_len = seq - prompt_len
-    cols: dict[str, list] = {name: [] for name in (
-        "sample_id", "prompt_ids", "response_ids", "topk_ids", "teacher_topk_logprobs",
-        "teacher_sampled_logprobs", "sampled_logprobs", "advantage", "sample_mask")}
+    cols: dict[str, list] = {
+        name: []
+        for name in (
+            "sample_id",
+            "prompt_ids",
+            "response_ids",
+            "topk_ids",
+            "teacher_topk_logprobs",
+            "teacher_sampled_logprobs",
+            "sampled_logprobs",
+            "advantage",
+            "sample_mask",
+        )
+    }
     for i in range(samples):
         cols["sample_id"].append(i)
         cols["prompt_ids"].append(rng.integers(0, vocab, size=prompt_len).tolist())
@@ -62,15 +73,17 @@ def run_config(*, samples: int, micro_batch: int, train: dict, steps: int = 1) -
     """One iteration of `samples` rows split into `steps` optimizer steps."""
     from tasks.config import build_config
 
-    return build_config({
-        "iterations": 1000,
-        "model": {"dtype": "bfloat16" if DEVICE == "cuda" else "float32"},  # Megatron's bf16 optimizer is CUDA-only
-        "data": {"prompts_per_iteration": 1},
-        "rollout": {"group_size": samples},
-        "train": {"steps_per_iteration": steps, "micro_batch_size": micro_batch, **train},
-        "loss": {"type": "sdpo", "divergence": "topk_tail"},
-        "optimizer": {"lr": 1e-6, "grad_clip": 1.0},
-    })
+    return build_config(
+        {
+            "iterations": 1000,
+            "model": {"dtype": "bfloat16" if DEVICE == "cuda" else "float32"},  # Megatron's bf16 optimizer is CUDA-only
+            "data": {"prompts_per_iteration": 1},
+            "rollout": {"group_size": samples},
+            "train": {"steps_per_iteration": steps, "micro_batch_size": micro_batch, **train},
+            "loss": {"type": "sdpo", "divergence": "topk_tail"},
+            "optimizer": {"lr": 1e-6, "grad_clip": 1.0},
+        }
+    )
 
 
 def bench_train(shape: str, args: argparse.Namespace, workdir: Path) -> None:
@@ -80,10 +93,17 @@ def bench_train(shape: str, args: argparse.Namespace, workdir: Path) -> None:
     hf_dir = workdir / shape
     hf_config.save_pretrained(hf_dir)
     steps = args.steps_per_iteration
-    columns = synthetic_columns(samples=args.samples * steps, seq=args.seq, k=args.k, vocab=hf_config.vocab_size, seed=0)
+    columns = synthetic_columns(
+        samples=args.samples * steps, seq=args.seq, k=args.k, vocab=hf_config.vocab_size, seed=0
+    )
     tokens = args.samples * args.seq  # per optimizer step
     for fused in args.fused:
-        base = {"attention": "sdpa", "loss_chunk_tokens": 1024, "loss_compile": DEVICE == "cuda", "fused_kernels": fused}
+        base = {
+            "attention": "sdpa",
+            "loss_chunk_tokens": 1024,
+            "loss_compile": DEVICE == "cuda",
+            "fused_kernels": fused,
+        }
         cfg = run_config(samples=args.samples * steps, micro_batch=args.micro_batch, train=base, steps=steps)
         trainer = MegatronTrainer(cfg, hf_dir, load_weights=False)
         per_token, n = flops_per_token(trainer.model.module, hf_config, seq_len=args.seq, training=True)
@@ -92,7 +112,9 @@ def bench_train(shape: str, args: argparse.Namespace, workdir: Path) -> None:
             "packed": {**base, "packing": True, "pack_tokens": args.samples * args.seq},
         }
         for name, train in variants.items():
-            trainer.cfg = run_config(samples=args.samples * steps, micro_batch=args.micro_batch, train=train, steps=steps)
+            trainer.cfg = run_config(
+                samples=args.samples * steps, micro_batch=args.micro_batch, train=train, steps=steps
+            )
             losses = []
             step = [0]
 
@@ -103,14 +125,28 @@ def bench_train(shape: str, args: argparse.Namespace, workdir: Path) -> None:
             reset_peak()
             times = [x / steps for x in cuda_time(one, warmup=args.warmup, repeat=args.iterations)]
             t = median(times)
-            emit({"bench": "train", "shape": shape, "variant": name, "fused_kernels": fused, "tokens_per_step": tokens,
-                  "steps_per_iteration": steps,
-                  "micro_batch": args.micro_batch, "seq": args.seq, "k": args.k, "params_no_embedding": n,
-                  "step_s_median": round(t, 4), "step_s_min": round(min(times), 4), "step_s_max": round(max(times), 4),
-                  "tokens_per_s": round(tokens / t), "tflops": round(per_token * tokens / t / 1e12, 1),
-                  "mfu": round(per_token * tokens / t / PEAK_BF16_FLOPS, 4),
-                  "peak_gib": round(gib(peak()), 1),
-                  "loss_first_last": [round(losses[0], 5), round(losses[-1], 5)]})
+            emit(
+                {
+                    "bench": "train",
+                    "shape": shape,
+                    "variant": name,
+                    "fused_kernels": fused,
+                    "tokens_per_step": tokens,
+                    "steps_per_iteration": steps,
+                    "micro_batch": args.micro_batch,
+                    "seq": args.seq,
+                    "k": args.k,
+                    "params_no_embedding": n,
+                    "step_s_median": round(t, 4),
+                    "step_s_min": round(min(times), 4),
+                    "step_s_max": round(max(times), 4),
+                    "tokens_per_s": round(tokens / t),
+                    "tflops": round(per_token * tokens / t / 1e12, 1),
+                    "mfu": round(per_token * tokens / t / PEAK_BF16_FLOPS, 4),
+                    "peak_gib": round(gib(peak()), 1),
+                    "loss_first_last": [round(losses[0], 5), round(losses[-1], 5)],
+                }
+            )
         del trainer
         gc.collect()
         if DEVICE == "cuda":
@@ -133,8 +169,12 @@ def bench_score(shape: str, args: argparse.Namespace) -> None:
     prompt_len = args.seq // 4
     sequences, topk = [], []
     for _ in range(args.samples):
-        sequences.append((rng.integers(0, hf_config.vocab_size, prompt_len).tolist(),
-                          rng.integers(0, hf_config.vocab_size, args.seq - prompt_len).tolist()))
+        sequences.append(
+            (
+                rng.integers(0, hf_config.vocab_size, prompt_len).tolist(),
+                rng.integers(0, hf_config.vocab_size, args.seq - prompt_len).tolist(),
+            )
+        )
         topk.append(rng.integers(0, hf_config.vocab_size, (args.seq - prompt_len, args.k)))
     tokens = args.samples * args.seq
     per_token, _ = flops_per_token(model, hf_config, seq_len=args.seq, training=False)
@@ -153,10 +193,22 @@ def bench_score(shape: str, args: argparse.Namespace) -> None:
     for name, fn in (("forward_only_padded", forward), ("score_packed_topk", score)):
         times = cuda_time(fn, warmup=2, repeat=args.steps)
         t = median(times)
-        emit({"bench": "score", "shape": shape, "variant": name, "fused_kernels": fused, "tokens": tokens, "seq": args.seq, "k": args.k,
-              "s_median": round(t, 4), "tokens_per_s": round(tokens / t),
-              "tflops": round(per_token * tokens / t / 1e12, 1), "mfu": round(per_token * tokens / t / PEAK_BF16_FLOPS, 4),
-              "peak_gib": round(gib(peak()), 1)})
+        emit(
+            {
+                "bench": "score",
+                "shape": shape,
+                "variant": name,
+                "fused_kernels": fused,
+                "tokens": tokens,
+                "seq": args.seq,
+                "k": args.k,
+                "s_median": round(t, 4),
+                "tokens_per_s": round(tokens / t),
+                "tflops": round(per_token * tokens / t / 1e12, 1),
+                "mfu": round(per_token * tokens / t / PEAK_BF16_FLOPS, 4),
+                "peak_gib": round(gib(peak()), 1),
+            }
+        )
     del model, scorer
     gc.collect()
     if DEVICE == "cuda":
@@ -172,11 +224,20 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=100)
     parser.add_argument("--warmup", type=int, default=2, help="untimed iterations (training)")
     parser.add_argument("--iterations", type=int, default=4, help="timed iterations (training)")
-    parser.add_argument("--steps-per-iteration", type=int, default=4,
-                        help="optimizer steps of --samples x --seq tokens per timed train_iteration call")
+    parser.add_argument(
+        "--steps-per-iteration",
+        type=int,
+        default=4,
+        help="optimizer steps of --samples x --seq tokens per timed train_iteration call",
+    )
     parser.add_argument("--steps", type=int, default=6, help="timed calls (scoring)")
-    parser.add_argument("--fused", nargs="+", type=lambda v: v == "true", default=[DEVICE == "cuda"],
-                        help="train.fused_kernels settings to build and time, e.g. --fused false true (GPU only)")
+    parser.add_argument(
+        "--fused",
+        nargs="+",
+        type=lambda v: v == "true",
+        default=[DEVICE == "cuda"],
+        help="train.fused_kernels settings to build and time, e.g. --fused false true (GPU only)",
+    )
     parser.add_argument("--skip-train", action="store_true")
     parser.add_argument("--skip-score", action="store_true")
     args = parser.parse_args()

@@ -35,7 +35,9 @@ def loop(q, k, v, bounds, backends, *, contiguous: bool):
         if contiguous:
             qs, ks, vs = qs.contiguous(), ks.contiguous(), vs.contiguous()
         with sdpa_kernel(backends, set_priority=True):
-            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True, scale=1 / math.sqrt(HEAD_DIM))
+            o = F.scaled_dot_product_attention(
+                qs, ks, vs, is_causal=True, enable_gqa=True, scale=1 / math.sqrt(HEAD_DIM)
+            )
         out.append(o[0].transpose(0, 1))
     return torch.cat(out, dim=0)
 
@@ -111,7 +113,10 @@ def main() -> None:
                 out.backward(upstream)
                 scale = lambda ref: float(ref.abs().max())  # noqa: E731
                 record["out_err"] = float((out.float() - ref_out).abs().max()) / scale(ref_out)
-                record["grad_err_qkv"] = [float((x.grad.float() - g).abs().max()) / scale(g) for x, g in zip((q, k, v), ref_grads, strict=True)]
+                record["grad_err_qkv"] = [
+                    float((x.grad.float() - g).abs().max()) / scale(g)
+                    for x, g in zip((q, k, v), ref_grads, strict=True)
+                ]
 
                 def fwd_bwd() -> None:
                     fn().backward(upstream)

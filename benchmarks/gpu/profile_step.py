@@ -23,7 +23,6 @@ from pathlib import Path
 
 import torch
 
-from tasks.megatron.fusions import CompiledRMSNorm
 from benchmarks.gpu.common import (
     DEVICE,
     PEAK_BF16_FLOPS,
@@ -38,6 +37,7 @@ from benchmarks.gpu.common import (
     reset_peak,
 )
 from benchmarks.gpu.model_throughput import run_config, synthetic_columns
+from tasks.megatron.fusions import CompiledRMSNorm
 
 CATEGORIES = [
     ("gemm", re.compile(r"gemm|cutlass|xmma|nvjet|cublas|sm90_", re.I)),
@@ -58,8 +58,17 @@ def categorise(name: str) -> str:
     return "other"
 
 
-COPY_OPS = {"aten::copy_", "aten::contiguous", "aten::clone", "aten::cat", "aten::index_put_", "aten::index_copy_",
-            "aten::fill_", "aten::zero_", "aten::add_"}
+COPY_OPS = {
+    "aten::copy_",
+    "aten::contiguous",
+    "aten::clone",
+    "aten::cat",
+    "aten::index_put_",
+    "aten::index_copy_",
+    "aten::fill_",
+    "aten::zero_",
+    "aten::add_",
+}
 
 
 def profile_one(step, label: str, top: int, *, stacks: bool, steps: int) -> None:
@@ -85,9 +94,15 @@ def profile_one(step, label: str, top: int, *, stacks: bool, steps: int) -> None
         by_cat[categorise(event.key)] += device_us / steps
         kernels.append((device_us / steps, event.count // steps, event.key))
     total = sum(by_cat.values())
-    emit({"bench": "profile", "setting": label, "kernel_ms_total": round(total / 1e3, 2),
-          "profiled_step_wall_ms": round(wall_ms, 1),
-          "by_category_ms": {k: round(v / 1e3, 2) for k, v in sorted(by_cat.items(), key=lambda kv: -kv[1])}})
+    emit(
+        {
+            "bench": "profile",
+            "setting": label,
+            "kernel_ms_total": round(total / 1e3, 2),
+            "profiled_step_wall_ms": round(wall_ms, 1),
+            "by_category_ms": {k: round(v / 1e3, 2) for k, v in sorted(by_cat.items(), key=lambda kv: -kv[1])},
+        }
+    )
     for device_us, count, name in sorted(kernels, reverse=True)[:top]:
         print(f"  {device_us / 1e3:9.2f} ms  x{count:<5d} [{categorise(name)}] {name[:150]}", flush=True)
     if stacks:
@@ -95,8 +110,10 @@ def profile_one(step, label: str, top: int, *, stacks: bool, steps: int) -> None
         rows.sort(key=lambda e: -e.device_time_total)
         print("  copy-like ops by device time (shapes, calling code):", flush=True)
         for event in rows[:12]:
-            print(f"  {event.device_time_total / 1e3 / steps:9.2f} ms  x{event.count // steps:<4d} {event.key} "
-                  f"{str(event.input_shapes)[:120]}")
+            print(
+                f"  {event.device_time_total / 1e3 / steps:9.2f} ms  x{event.count // steps:<4d} {event.key} "
+                f"{str(event.input_shapes)[:120]}"
+            )
             for frame in event.stack[:6]:
                 print(f"        {frame[:160]}")
 
@@ -111,22 +128,38 @@ def main() -> None:
     parser.add_argument("--steps-per-iteration", type=int, default=4)
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--top", type=int, default=30)
-    parser.add_argument("--micro-batches", type=int, nargs="*", default=[1, 2],
-                        help="after the settings, time the all-fused step with these micro-batch sizes")
+    parser.add_argument(
+        "--micro-batches",
+        type=int,
+        nargs="*",
+        default=[1, 2],
+        help="after the settings, time the all-fused step with these micro-batch sizes",
+    )
     args = parser.parse_args()
     emit({"bench": "environment", **environment()})
     hf_config = qwen3_config(args.shape)
     steps = args.steps_per_iteration
-    columns = synthetic_columns(samples=args.samples * steps, seq=args.seq, k=args.k, vocab=hf_config.vocab_size, seed=0)
+    columns = synthetic_columns(
+        samples=args.samples * steps, seq=args.seq, k=args.k, vocab=hf_config.vocab_size, seed=0
+    )
     tokens = args.samples * args.seq  # per optimizer step
     base = {"attention": "sdpa", "loss_chunk_tokens": 1024, "loss_compile": DEVICE == "cuda"}
     # model-side switches, applied in order: Megatron config flags, then the compiled RMSNorm modules
     switches = ["bias_activation_fusion", "apply_rope_fusion", "bias_dropout_fusion", "compiled_norm"]
-    names = ["+ compiled SwiGLU", "+ compiled RoPE", "+ compiled residual add", "+ compiled RMSNorm (all: fused_kernels=true)"]
+    names = [
+        "+ compiled SwiGLU",
+        "+ compiled RoPE",
+        "+ compiled residual add",
+        "+ compiled RMSNorm (all: fused_kernels=true)",
+    ]
     plans = {
         False: [("fallbacks (fused_kernels=false)", {})],
-        True: [("fused AdamW, device grad norm, weight-gradient accumulation, batch-first logits",
-                dict.fromkeys(switches, False))]
+        True: [
+            (
+                "fused AdamW, device grad norm, weight-gradient accumulation, batch-first logits",
+                dict.fromkeys(switches, False),
+            )
+        ]
         + [(name, {flag: i < n for i, flag in enumerate(switches)}) for n, name in enumerate(names, start=1)],
     }
     with tempfile.TemporaryDirectory() as tmp:
@@ -135,8 +168,12 @@ def main() -> None:
         for fused, settings in plans.items():
             from tasks.megatron.trainer import MegatronTrainer
 
-            cfg = run_config(samples=args.samples * steps, micro_batch=args.samples, train={**base, "fused_kernels": fused},
-                             steps=steps)
+            cfg = run_config(
+                samples=args.samples * steps,
+                micro_batch=args.samples,
+                train={**base, "fused_kernels": fused},
+                steps=steps,
+            )
             trainer = MegatronTrainer(cfg, hf_dir, load_weights=False)
             per_token, n = flops_per_token(trainer.model.module, hf_config, seq_len=args.seq, training=True)
             config = trainer.model.module.config
@@ -157,20 +194,41 @@ def main() -> None:
                 reset_peak()
                 times = [x / steps for x in cuda_time(step, warmup=1, repeat=args.iterations)]
                 t = median(times)
-                emit({"bench": "train_setting", "shape": args.shape, "setting": label, "tokens_per_step": tokens,
-                      "step_s_median": round(t, 4), "step_s_min": round(min(times), 4),
-                      "step_s_max": round(max(times), 4), "tokens_per_s": round(tokens / t),
-                      "mfu": round(per_token * tokens / t / PEAK_BF16_FLOPS, 4), "peak_gib": round(gib(peak()), 1),
-                      "params_no_embedding": n})
+                emit(
+                    {
+                        "bench": "train_setting",
+                        "shape": args.shape,
+                        "setting": label,
+                        "tokens_per_step": tokens,
+                        "step_s_median": round(t, 4),
+                        "step_s_min": round(min(times), 4),
+                        "step_s_max": round(max(times), 4),
+                        "tokens_per_s": round(tokens / t),
+                        "mfu": round(per_token * tokens / t / PEAK_BF16_FLOPS, 4),
+                        "peak_gib": round(gib(peak()), 1),
+                        "params_no_embedding": n,
+                    }
+                )
                 if args.profile:
                     profile_one(step, label, args.top, stacks=fused and index == len(settings) - 1, steps=steps)
             if fused:
                 for micro_batch in args.micro_batches:
-                    trainer.cfg = run_config(samples=args.samples * steps, micro_batch=micro_batch,
-                                             train={**base, "fused_kernels": True}, steps=steps)
+                    trainer.cfg = run_config(
+                        samples=args.samples * steps,
+                        micro_batch=micro_batch,
+                        train={**base, "fused_kernels": True},
+                        steps=steps,
+                    )
                     t = median(cuda_time(step, warmup=1, repeat=args.iterations)) / steps
-                    emit({"bench": "train_setting", "shape": args.shape, "setting": f"all fused, micro-batch {micro_batch}",
-                          "step_s_median": round(t, 4), "mfu": round(per_token * tokens / t / PEAK_BF16_FLOPS, 4)})
+                    emit(
+                        {
+                            "bench": "train_setting",
+                            "shape": args.shape,
+                            "setting": f"all fused, micro-batch {micro_batch}",
+                            "step_s_median": round(t, 4),
+                            "mfu": round(per_token * tokens / t / PEAK_BF16_FLOPS, 4),
+                        }
+                    )
             del trainer
             gc.collect()
             torch.cuda.empty_cache()

@@ -63,10 +63,21 @@ def main() -> None:
         del model
         prompts = [rng.integers(0, vocab, args.prompt_tokens).tolist() for _ in range(args.prompts)]
 
-        engine = EmbeddedEngine(str(hf_dir), device=DEVICE, dtype=torch.bfloat16, max_batch_size=args.prompts * args.group)
-        gens, rollout_s = timed(lambda: engine.generate(
-            prompts, n=args.group, temperature=1.0, top_p=1.0, max_new_tokens=args.new_tokens, stop_token_ids=[],
-            top_k_logprobs=args.k, seed=0))
+        engine = EmbeddedEngine(
+            str(hf_dir), device=DEVICE, dtype=torch.bfloat16, max_batch_size=args.prompts * args.group
+        )
+        gens, rollout_s = timed(
+            lambda: engine.generate(
+                prompts,
+                n=args.group,
+                temperature=1.0,
+                top_p=1.0,
+                max_new_tokens=args.new_tokens,
+                stop_token_ids=[],
+                top_k_logprobs=args.k,
+                seed=0,
+            )
+        )
         engine.close()
         del engine
         free()
@@ -74,9 +85,7 @@ def main() -> None:
         response_tokens = sum(len(g.response_ids) for _, _, g in samples)
 
         # SDPO reprompt shape: a peer's answer as the demonstration, then the question again.
-        teacher_prompts = [
-            prompts[i] + gens[i][(j + 1) % args.group].response_ids + prompts[i] for i, j, _ in samples
-        ]
+        teacher_prompts = [prompts[i] + gens[i][(j + 1) % args.group].response_ids + prompts[i] for i, j, _ in samples]
         sequences = [(tp, g.response_ids) for tp, (_, _, g) in zip(teacher_prompts, samples, strict=True)]
         topk = [g.topk_ids.astype(np.int64) for _, _, g in samples]
         teacher_tokens = sum(len(p) + len(r) for p, r in sequences)
@@ -92,7 +101,9 @@ def main() -> None:
         emb, embedded_s = timed(lambda: score_teacher(hf_model, sequences=sequences, topk_ids=topk, batch_tokens=16384))
         del hf_model
         free()
-        agree = float(np.mean([np.abs(a.topk_logprobs - b.topk_logprobs).mean() for a, b in zip(mega, emb, strict=True)]))
+        agree = float(
+            np.mean([np.abs(a.topk_logprobs - b.topk_logprobs).mean() for a, b in zip(mega, emb, strict=True)])
+        )
 
         rewards = torch.from_numpy(rng.random(len(samples)).astype(np.float32))
         groups = torch.tensor([i for i, _, _ in samples])
@@ -107,37 +118,65 @@ def main() -> None:
             "advantage": group_advantages(rewards, groups, normalize_std=False).tolist(),
             "sample_mask": [True] * len(samples),
         }
+
         def make_cfg(**train):
-            return build_config({
-                "iterations": 10,
-                "model": {"dtype": "bfloat16" if DEVICE == "cuda" else "float32"},  # Megatron's bf16 optimizer is CUDA-only
-                "data": {"prompts_per_iteration": args.prompts},
-                "rollout": {"group_size": args.group, "top_k": args.k},
-                "train": {"steps_per_iteration": 1, "attention": "sdpa", "packing": True, "pack_tokens": 16384,
-                          "loss_chunk_tokens": 1024, "loss_compile": fused, "fused_kernels": fused, **train},
-                "optimizer": {"lr": 1e-6},
-            })
+            return build_config(
+                {
+                    "iterations": 10,
+                    "model": {
+                        "dtype": "bfloat16" if DEVICE == "cuda" else "float32"
+                    },  # Megatron's bf16 optimizer is CUDA-only
+                    "data": {"prompts_per_iteration": args.prompts},
+                    "rollout": {"group_size": args.group, "top_k": args.k},
+                    "train": {
+                        "steps_per_iteration": 1,
+                        "attention": "sdpa",
+                        "packing": True,
+                        "pack_tokens": 16384,
+                        "loss_chunk_tokens": 1024,
+                        "loss_compile": fused,
+                        "fused_kernels": fused,
+                        **train,
+                    },
+                    "optimizer": {"lr": 1e-6},
+                }
+            )
 
         cfg = make_cfg()
         trainer, trainer_load_s = timed(lambda: MegatronTrainer(cfg, hf_dir))
         m1, train1_s = timed(lambda: trainer.train_iteration(columns, iteration=1))
         m2, train2_s = timed(lambda: trainer.train_iteration(columns, iteration=2))
         train_tokens = sum(len(p) + len(r) for p, r in zip(columns["prompt_ids"], columns["response_ids"], strict=True))
-        emit({
-            "bench": "sdpo_iteration", "shape": args.shape, "samples": len(samples), "k": args.k,
-            "response_tokens": response_tokens, "teacher_tokens": teacher_tokens, "train_tokens": train_tokens,
-            "rollout_s": round(rollout_s, 3), "rollout_tokens_per_s": round(response_tokens / rollout_s),
-            "teacher_megatron_s": round(teacher_s, 3), "teacher_megatron_tokens_per_s": round(teacher_tokens / teacher_s),
-            "teacher_embedded_s": round(embedded_s, 3), "teacher_embedded_tokens_per_s": round(teacher_tokens / embedded_s),
-            "teacher_backends_mean_abs_diff": round(agree, 4),
-            "train_first_s": round(train1_s, 3), "train_second_s": round(train2_s, 3),
-            "train_tokens_per_s_second": round(train_tokens / train2_s),
-            "iteration_s_steady": round(rollout_s + teacher_s + train2_s, 3),
-            "load_s": {"megatron_scorer": round(load_s, 2), "trainer": round(trainer_load_s, 2), "init": round(setup_s, 2)},
-            "losses": [m1["train/loss"], m2["train/loss"]],
-            "peak_gib": round(gib(peak()), 1),
-            "grad_norms": [m1["train/grad_norm"], m2["train/grad_norm"]],
-        })
+        emit(
+            {
+                "bench": "sdpo_iteration",
+                "shape": args.shape,
+                "samples": len(samples),
+                "k": args.k,
+                "response_tokens": response_tokens,
+                "teacher_tokens": teacher_tokens,
+                "train_tokens": train_tokens,
+                "rollout_s": round(rollout_s, 3),
+                "rollout_tokens_per_s": round(response_tokens / rollout_s),
+                "teacher_megatron_s": round(teacher_s, 3),
+                "teacher_megatron_tokens_per_s": round(teacher_tokens / teacher_s),
+                "teacher_embedded_s": round(embedded_s, 3),
+                "teacher_embedded_tokens_per_s": round(teacher_tokens / embedded_s),
+                "teacher_backends_mean_abs_diff": round(agree, 4),
+                "train_first_s": round(train1_s, 3),
+                "train_second_s": round(train2_s, 3),
+                "train_tokens_per_s_second": round(train_tokens / train2_s),
+                "iteration_s_steady": round(rollout_s + teacher_s + train2_s, 3),
+                "load_s": {
+                    "megatron_scorer": round(load_s, 2),
+                    "trainer": round(trainer_load_s, 2),
+                    "init": round(setup_s, 2),
+                },
+                "losses": [m1["train/loss"], m2["train/loss"]],
+                "peak_gib": round(gib(peak()), 1),
+                "grad_norms": [m1["train/grad_norm"], m2["train/grad_norm"]],
+            }
+        )
         del trainer
         free()
         if args.probe:
@@ -152,11 +191,19 @@ def main() -> None:
             for name, train in variants.items():
                 probe = MegatronTrainer(make_cfg(micro_batch_size=16, **train), hf_dir)
                 metrics, seconds = timed(lambda: probe.train_iteration(columns, iteration=1))
-                emit({"bench": "sdpo_iteration_probe", "variant": name, "train_s": round(seconds, 3),
-                      "loss": metrics["train/loss"], "grad_norm": metrics["train/grad_norm"],
-                      "is_weight_mean": metrics.get("sdpo/is_weight_mean")})
+                emit(
+                    {
+                        "bench": "sdpo_iteration_probe",
+                        "variant": name,
+                        "train_s": round(seconds, 3),
+                        "loss": metrics["train/loss"],
+                        "grad_norm": metrics["train/grad_norm"],
+                        "is_weight_mean": metrics.get("sdpo/is_weight_mean"),
+                    }
+                )
                 del probe
                 free()
+
 
 if __name__ == "__main__":
     main()

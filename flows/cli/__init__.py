@@ -5,6 +5,7 @@ that run in `runs`, the ones that inspect and maintain runs in `audit`."""
 # isort: off
 from flows.cli import runs  # noqa: F401
 from flows.cli import audit  # noqa: F401
+
 # isort: on
 from flows.cli.app import app
 

@@ -7,7 +7,7 @@ import contextlib
 import logging
 import os
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any
 
 import typer
 
@@ -21,7 +21,7 @@ app = typer.Typer(
 
 ConfigArg = Annotated[Path, typer.Argument(help="YAML run config, e.g. configs/demo.yaml", exists=True, dir_okay=False)]
 OverridesArg = Annotated[
-    Optional[list[str]], typer.Argument(help="dotted overrides, e.g. loss.alpha=0.5 rollout.group_size=4")
+    list[str] | None, typer.Argument(help="dotted overrides, e.g. loss.alpha=0.5 rollout.group_size=4")
 ]
 AllowChangeOpt = Annotated[
     bool, typer.Option(help="continue an existing run under a changed config (the change is recorded)")

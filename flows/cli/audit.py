@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -43,7 +43,7 @@ def fork(
     overrides: OverridesArg = None,
     root: Annotated[str, typer.Option(help="run root of RUN (path or URL)")] = "runs",
     config_out: Annotated[
-        Optional[Path], typer.Option(help="where to write the new run's config (default: NAME.yaml)")
+        Path | None, typer.Option(help="where to write the new run's config (default: NAME.yaml)")
     ] = None,
 ) -> None:
     """Start a new run from a committed iteration of another: its checkpoints (policy, teacher,
@@ -144,7 +144,9 @@ def verify(
         f"{report.bytes / 2**20:.1f} MiB checked"
     )
     if report.uncommitted:
-        typer.echo(f"{len(report.uncommitted)} folder(s) without a manifest (an interrupted attempt; not part of the run):")
+        typer.echo(
+            f"{len(report.uncommitted)} folder(s) without a manifest (an interrupted attempt; not part of the run):"
+        )
         for folder in report.uncommitted:
             typer.echo(f"  {folder}")
     if report.ok:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -132,12 +132,14 @@ def evaluate(
 
 @app.command("prepare-data")
 def prepare_data(
-    dataset: Annotated[str, typer.Option(help="sciknoweval | tooluse | toolalpaca | livecodebench | humaneval | mbpp | gsm8k | ...")],
+    dataset: Annotated[
+        str, typer.Option(help="sciknoweval | tooluse | toolalpaca | livecodebench | humaneval | mbpp | gsm8k | ...")
+    ],
     input: Annotated[str, typer.Option("--input", help="input file or folder (path or URL)")],  # noqa: A002
     output: Annotated[str, typer.Option(help="output data set (path or URL; .jsonl or .parquet)")],
-    eval_output: Annotated[Optional[str], typer.Option(help="also write a held-out / full-test split here")] = None,
+    eval_output: Annotated[str | None, typer.Option(help="also write a held-out / full-test split here")] = None,
     skip_invalid: Annotated[bool, typer.Option(help="skip malformed rows (counted) instead of failing")] = False,
-    option: Annotated[Optional[list[str]], typer.Option(help="converter option key=value (repeatable)")] = None,
+    option: Annotated[list[str] | None, typer.Option(help="converter option key=value (repeatable)")] = None,
 ) -> None:
     """Convert a data set into the run's prompt schema (prompt messages, label, data source, metadata)."""
     from tasks.data.prepare import InvalidRowError, cli_prepare

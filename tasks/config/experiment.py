@@ -43,9 +43,7 @@ class BootstrapConfig(Section):
                 "pick values where hidden_size % num_heads == 0"
             )
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"num_heads={self.num_heads} is not divisible by num_kv_heads={self.num_kv_heads}"
-            )
+            raise ValueError(f"num_heads={self.num_heads} is not divisible by num_kv_heads={self.num_kv_heads}")
         return self
 
 
@@ -84,9 +82,7 @@ class DataConfig(Section):
     eval_prompts: int = Field(200, ge=1)
     # arithmetic generator
     max_operand: int = Field(99, ge=1)
-    answer_width: int = Field(
-        0, ge=0, description="zero-pad arithmetic answers to this many digits (0 = no padding)"
-    )
+    answer_width: int = Field(0, ge=0, description="zero-pad arithmetic answers to this many digits (0 = no padding)")
     eval_fraction: float = Field(0.1, gt=0, lt=1)
 
     @model_validator(mode="after")
@@ -102,7 +98,9 @@ class VerifierConfig(Section):
     name: Literal["arithmetic", "mcq", "tooluse", "function_call", "math", "code"] = "arithmetic"
     kwargs: dict[str, Any] = Field(default_factory=dict)
     time_budget_s: float = Field(
-        10.0, gt=0, le=3600,
+        10.0,
+        gt=0,
+        le=3600,
         description="wall-clock seconds one answer may take to verify (not code: its sandbox has total_s)",
     )
 
@@ -194,9 +192,7 @@ class TeacherConfig(Section):
     @classmethod
     def _rate_range(cls, rate: float) -> float:
         if not 0.0 < rate <= 1.0:
-            raise ValueError(
-                f"update_rate={rate} is outside (0, 1]; the paper uses 0.05 (0.01 for code)"
-            )
+            raise ValueError(f"update_rate={rate} is outside (0, 1]; the paper uses 0.05 (0.01 for code)")
         return rate
 
 

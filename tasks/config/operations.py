@@ -15,7 +15,9 @@ class KeepRuleConfig(Section):
 
     last: int | None = Field(None, ge=1, description="the last N iterations")
     every: int | None = Field(None, ge=1, description="every M-th iteration")
-    best: str | None = Field(None, description="the iteration with the highest value of this eval metric, e.g. eval/greedy_accuracy")
+    best: str | None = Field(
+        None, description="the iteration with the highest value of this eval metric, e.g. eval/greedy_accuracy"
+    )
 
 
 class RetentionConfig(Section):
@@ -56,7 +58,9 @@ class TrackingConfig(Section):
     ui_url: str | None = Field(
         "http://127.0.0.1:5000", description="MLflow UI address that Prefect artifacts link to; null = no links"
     )
-    system_metrics: bool = Field(True, description="sample CPU, memory, disk and GPU use into the MLflow run (system/*)")
+    system_metrics: bool = Field(
+        True, description="sample CPU, memory, disk and GPU use into the MLflow run (system/*)"
+    )
     log_model: bool = Field(
         True, description="log the final (and best) policy as an MLflow transformers model when the run completes"
     )
@@ -87,7 +91,9 @@ class StageLaunch(Section):
     rdzv_endpoint: str | None = Field(
         None, description="torchrun with nnodes > 1: host:port of the rendezvous (c10d), reachable from every node"
     )
-    master_port: int | None = Field(None, ge=1, le=65535, description="torchrun on one node: fixed port (default: a free one)")
+    master_port: int | None = Field(
+        None, ge=1, le=65535, description="torchrun on one node: fixed port (default: a free one)"
+    )
 
     @model_validator(mode="after")
     def _torchrun_fields(self) -> StageLaunch:

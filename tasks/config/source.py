@@ -72,7 +72,9 @@ def read_yaml(path: Path) -> tuple[dict[str, Any], dict[str, str]]:
     try:
         text = path.read_bytes().decode("utf-8")
     except UnicodeDecodeError as err:
-        raise ConfigError(f"{path}: not UTF-8 text (byte {err.start}: {err.reason}); save the config as UTF-8") from None
+        raise ConfigError(
+            f"{path}: not UTF-8 text (byte {err.start}: {err.reason}); save the config as UTF-8"
+        ) from None
     except OSError as err:
         raise ConfigError(f"{path}: cannot be read ({err.strerror})") from None
     try:
@@ -92,7 +94,6 @@ def read_yaml(path: Path) -> tuple[dict[str, Any], dict[str, str]]:
     return loaded, lines_of
 
 
-
 def verifier_parameters(name: str) -> dict[str, inspect.Parameter]:
     """The keyword arguments the verifier `name` takes (for code: the sandbox limits too)."""
     from sdpo_core.verifiers import VERIFIERS
@@ -101,8 +102,9 @@ def verifier_parameters(name: str) -> dict[str, inspect.Parameter]:
         from tasks.sandbox.program import verify_code as function
     else:
         function = VERIFIERS[name]
-    params = {k: p for k, p in inspect.signature(function).parameters.items()
-              if p.kind == p.KEYWORD_ONLY and k != "truncated"}
+    params = {
+        k: p for k, p in inspect.signature(function).parameters.items() if p.kind == p.KEYWORD_ONLY and k != "truncated"
+    }
     if name == "code":
         from tasks.sandbox.program import SandboxLimits
 

@@ -40,6 +40,7 @@ WarmupKind = Literal["plain", "solution", "feedback"]
 WARMUP_KINDS: tuple[WarmupKind, ...] = ("plain", "solution", "feedback")
 # Few plain examples: enough for the answer format, too few to learn addition within the warm-up.
 
+
 @dataclass(frozen=True, kw_only=True)
 class WarmupSchedule:
     """How long and how hard the warm-up trains, and its mix of example kinds (checked here)."""
@@ -272,9 +273,7 @@ def bootstrap_checkpoint(
     template), loadable with `AutoModelForCausalLM` / `AutoTokenizer`. Accuracies are greedy, on
     the first `num_eval` of `eval_rows` (problems the warm-up never saw).
     """
-    schedule = WarmupSchedule(
-        steps=steps, batch_size=batch_size, lr=lr, mix=dict(mix)
-    )
+    schedule = WarmupSchedule(steps=steps, batch_size=batch_size, lr=lr, mix=dict(mix))
     out_dir = Path(out_dir)
     tokenizer = build_tokenizer(out_dir)
     model = build_model(

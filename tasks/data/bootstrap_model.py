@@ -109,7 +109,6 @@ def prompt_ids(tokenizer: Any, messages: list[dict] | tuple[dict, ...]) -> list[
     return [int(i) for i in out["input_ids"]]
 
 
-
 def build_model(
     tokenizer: Any,
     *,
@@ -147,12 +146,14 @@ def build_model(
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=None,
     )
-    if architecture == "qwen3":
-        config, cls = Qwen3Config(**common), Qwen3ForCausalLM
-    elif architecture == "llama":
-        config, cls = LlamaConfig(**common), LlamaForCausalLM
-    else:
+    builders: dict[str, tuple[Any, Any]] = {
+        "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+        "llama": (LlamaConfig, LlamaForCausalLM),
+    }
+    if architecture not in builders:
         raise ValueError(f"architecture must be 'qwen3' or 'llama', got {architecture!r}")
+    config_class, cls = builders[architecture]
+    config = config_class(**common)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = cls(config)

@@ -28,7 +28,7 @@ def resolve_input(spec: str) -> str:
     """`pkg:<module>/<relative>` -> the file inside the installed package; anything else unchanged."""
     if not spec.startswith("pkg:"):
         return spec
-    module, _, relative = spec[len("pkg:"):].partition("/")
+    module, _, relative = spec[len("pkg:") :].partition("/")
     found = importlib.util.find_spec(module)
     if found is None or not found.submodule_search_locations:
         raise FileNotFoundError(f"package {module!r} is not installed (needed for input {spec!r})")
@@ -124,16 +124,24 @@ def encode_rows(rows: list[Row], url: str) -> bytes:
         message = pa.struct(
             [pa.field("role", pa.string(), nullable=False), pa.field("content", pa.string(), nullable=False)]
         )
-        schema = pa.schema([
-            pa.field("prompt_id", pa.string(), nullable=False),
-            pa.field("prompt_messages", pa.list_(pa.field("element", message, nullable=False)), nullable=False),
-            pa.field("label", pa.string(), nullable=False),
-            pa.field("data_source", pa.string(), nullable=False),
-            pa.field("metadata", pa.string(), nullable=False, metadata={"encoding": "json"}),
-        ])
+        schema = pa.schema(
+            [
+                pa.field("prompt_id", pa.string(), nullable=False),
+                pa.field("prompt_messages", pa.list_(pa.field("element", message, nullable=False)), nullable=False),
+                pa.field("label", pa.string(), nullable=False),
+                pa.field("data_source", pa.string(), nullable=False),
+                pa.field("metadata", pa.string(), nullable=False, metadata={"encoding": "json"}),
+            ]
+        )
         table = pa.Table.from_pylist(
-            [{**r, "prompt_messages": [{"role": m["role"], "content": m["content"]} for m in r["prompt_messages"]],
-              "metadata": json.dumps(r["metadata"], ensure_ascii=False, sort_keys=True)} for r in rows],
+            [
+                {
+                    **r,
+                    "prompt_messages": [{"role": m["role"], "content": m["content"]} for m in r["prompt_messages"]],
+                    "metadata": json.dumps(r["metadata"], ensure_ascii=False, sort_keys=True),
+                }
+                for r in rows
+            ],
             schema=schema,
         )
         sink = io.BytesIO()

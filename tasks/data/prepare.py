@@ -74,8 +74,9 @@ def _check_options(dataset: str, options: Mapping[str, Any]) -> None:
         raise ValueError(f"unknown option(s) {unknown} for dataset {dataset!r}; allowed: {sorted(allowed)}")
 
 
-def _convert_all(dataset: str, records: Iterator[tuple[str, Any]], options: dict, *, skip_invalid: bool,
-                 stats: dict) -> list[Row]:
+def _convert_all(
+    dataset: str, records: Iterator[tuple[str, Any]], options: dict, *, skip_invalid: bool, stats: dict
+) -> list[Row]:
     convert = DATASETS[dataset].convert
     rows: list[Row] = []
     seen: dict[str, str] = {}
@@ -149,8 +150,15 @@ def prepare(
             raise ValueError(f"output {url!r} must end in .jsonl or .parquet")
 
     options = dict(options)
-    stats: dict[str, Any] = {"dataset": dataset, "input": input, "output": output, "rows_read": 0, "filtered": 0,
-                             "skipped": 0, "skipped_examples": []}
+    stats: dict[str, Any] = {
+        "dataset": dataset,
+        "input": input,
+        "output": output,
+        "rows_read": 0,
+        "filtered": 0,
+        "skipped": 0,
+        "skipped_examples": [],
+    }
     if dataset == "reasoning_gym":
         size = int(options.get("size", 1000))
         options["_generator"] = input
@@ -167,13 +175,15 @@ def prepare(
 
     if dataset == "livecodebench":
         record_list = list(records)
-        train = _convert_all(dataset, iter(record_list), {**options, "_split": "train"}, skip_invalid=skip_invalid,
-                             stats=stats)
+        train = _convert_all(
+            dataset, iter(record_list), {**options, "_split": "train"}, skip_invalid=skip_invalid, stats=stats
+        )
         outputs = [(output, train)]
         if eval_output:
             test_stats = {**stats, "rows_read": 0, "filtered": 0, "skipped": 0, "skipped_examples": []}
-            test = _convert_all(dataset, iter(record_list), {**options, "_split": "test"}, skip_invalid=skip_invalid,
-                                stats=test_stats)
+            test = _convert_all(
+                dataset, iter(record_list), {**options, "_split": "test"}, skip_invalid=skip_invalid, stats=test_stats
+            )
             outputs.append((eval_output, test))
     else:
         rows = _convert_all(dataset, records, options, skip_invalid=skip_invalid, stats=stats)
@@ -183,12 +193,16 @@ def prepare(
             random.Random(seed).shuffle(order)
             n_eval = min(max(1, round(eval_ratio * len(rows))), len(rows) - 1)
             held_out = set(order[:n_eval])
-            outputs = [(output, [r for i, r in enumerate(rows) if i not in held_out]),
-                       (eval_output, [r for i, r in enumerate(rows) if i in held_out])]
+            outputs = [
+                (output, [r for i, r in enumerate(rows) if i not in held_out]),
+                (eval_output, [r for i, r in enumerate(rows) if i in held_out]),
+            ]
     for url, rows_out in outputs:
         if not rows_out:
-            raise ValueError(f"no rows to write to {url} (read {stats['rows_read']}, filtered {stats['filtered']}, "
-                             f"skipped {stats['skipped']})")
+            raise ValueError(
+                f"no rows to write to {url} (read {stats['rows_read']}, filtered {stats['filtered']}, "
+                f"skipped {stats['skipped']})"
+            )
     for url, rows_out in outputs:
         write_rows(rows_out, url, storage_options)
     stats["rows_written"] = len(outputs[0][1])

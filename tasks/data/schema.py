@@ -36,11 +36,15 @@ def _check_row(where: str, record: Any) -> Row:
         raise InvalidRowError(where, "field 'prompt_id' is empty")
     messages = record["prompt_messages"]
     if not isinstance(messages, list) or not messages:
-        raise InvalidRowError(where, f"field 'prompt_messages' must be a non-empty list of messages, got "
-                                     f"{type(messages).__name__}")
+        raise InvalidRowError(
+            where, f"field 'prompt_messages' must be a non-empty list of messages, got {type(messages).__name__}"
+        )
     for k, message in enumerate(messages):
-        if not (isinstance(message, Mapping) and isinstance(message.get("role"), str)
-                and isinstance(message.get("content"), str)):
+        if not (
+            isinstance(message, Mapping)
+            and isinstance(message.get("role"), str)
+            and isinstance(message.get("content"), str)
+        ):
             raise InvalidRowError(where, f"prompt_messages[{k}] must be an object with text 'role' and 'content'")
     metadata = record.get("metadata")
     if isinstance(metadata, str):
@@ -81,8 +85,9 @@ def read_checked(url: str, *, storage_options: Mapping[str, Any] | None = None) 
     return rows, places
 
 
-def check_disjoint(train: list[Row], train_places: dict[str, str], held_out: list[Row],
-                   held_out_places: dict[str, str]) -> None:
+def check_disjoint(
+    train: list[Row], train_places: dict[str, str], held_out: list[Row], held_out_places: dict[str, str]
+) -> None:
     """InvalidRowError for a held-out row whose prompt id or prompt also appears in training."""
     train_prompts = {_prompt_key(r): train_places[r["prompt_id"]] for r in train}
     for row in held_out:

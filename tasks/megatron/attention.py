@@ -32,13 +32,12 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
-from torch.nn.attention import SDPBackend, sdpa_kernel
-
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
+from torch import Tensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 __all__ = ["SDPACoreAttention", "CUDA_BACKENDS"]
 

@@ -144,9 +144,7 @@ def patch_cuda_rng() -> None:
     torch.cuda.set_rng_state = lambda new_state, *args, **kwargs: generator.set_state(new_state)
     torch.cuda.manual_seed = lambda seed: generator.manual_seed(int(seed))
     torch.cuda.manual_seed_all = lambda seed: None
-    mcore_random._set_cuda_rng_state = lambda new_state, *args, **kwargs: generator.set_state(
-        new_state
-    )
+    mcore_random._set_cuda_rng_state = lambda new_state, *args, **kwargs: generator.set_state(new_state)
     _applied.add("cuda_rng")
 
 
@@ -177,9 +175,7 @@ def _clip_grad_by_total_norm_cpu(
 ) -> None:
     """Megatron's `clip_grad_by_total_norm_fp32` with the fp32 check made device-agnostic."""
     if use_decoupled_grad:
-        raise NotImplementedError(
-            "decoupled gradients (the precision-aware optimizer) are not supported on CPU"
-        )
+        raise NotImplementedError("decoupled gradients (the precision-aware optimizer) are not supported on CPU")
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
     grads = [param.grad.detach() for param in parameters if param.grad is not None]

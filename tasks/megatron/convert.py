@@ -102,9 +102,7 @@ def check_supported_config(hf_config: Any) -> str:
     if hf_config.hidden_act != "silu":
         raise NotImplementedError(f"{expected}: hidden_act={hf_config.hidden_act!r}, only 'silu'")
     if model_type in ("llama", "qwen3") and hf_config.attention_bias:
-        raise NotImplementedError(
-            f"{expected}: attention_bias=True (biases on q/k/v and o_proj) is not mapped"
-        )
+        raise NotImplementedError(f"{expected}: attention_bias=True (biases on q/k/v and o_proj) is not mapped")
     if model_type == "llama" and hf_config.mlp_bias:
         raise NotImplementedError(f"{expected}: mlp_bias=True is not mapped")
     if model_type in ("qwen2", "qwen3"):
@@ -177,9 +175,7 @@ class _Shape:
         return ["weight", "bias"] if self.qkv_bias else ["weight"]
 
 
-def interleave_qkv(
-    q: Tensor, k: Tensor, v: Tensor, *, num_query_groups: int, head_dim: int
-) -> Tensor:
+def interleave_qkv(q: Tensor, k: Tensor, v: Tensor, *, num_query_groups: int, head_dim: int) -> Tensor:
     """HF q/k/v projections (weights [out, H] or biases [out]) -> Megatron's `linear_qkv`."""
     rest = q.shape[1:]
     q = q.reshape(num_query_groups, -1, *rest)  # [G, heads_per_group * hd, ...]
@@ -188,9 +184,7 @@ def interleave_qkv(
     return torch.cat([q, k, v], dim=1).reshape(-1, *rest)
 
 
-def split_qkv(
-    qkv: Tensor, *, num_heads: int, num_query_groups: int, head_dim: int
-) -> tuple[Tensor, Tensor, Tensor]:
+def split_qkv(qkv: Tensor, *, num_heads: int, num_query_groups: int, head_dim: int) -> tuple[Tensor, Tensor, Tensor]:
     """Inverse of `interleave_qkv`: Megatron's `linear_qkv` (full, all ranks) -> HF q, k, v."""
     rest = qkv.shape[1:]
     q_rows = num_heads // num_query_groups * head_dim
@@ -201,10 +195,7 @@ def split_qkv(
 
 def _shard(tensor: Tensor, *, dim: int, tp_rank: int, tp_size: int, name: str) -> Tensor:
     if tensor.shape[dim] % tp_size:
-        raise ValueError(
-            f"{name}: dim {dim} of shape {tuple(tensor.shape)} is not divisible by "
-            f"tp_size={tp_size}"
-        )
+        raise ValueError(f"{name}: dim {dim} of shape {tuple(tensor.shape)} is not divisible by tp_size={tp_size}")
     return tensor.chunk(tp_size, dim=dim)[tp_rank]
 
 
@@ -260,9 +251,7 @@ def hf_to_megatron(
             name = f"{mc_prefix}self_attention.linear_qkv.{param}"
             q, k, v = (take(f"{hf_prefix}self_attn.{p}_proj.{param}") for p in "qkv")
             if q.numel() and k.numel() and v.numel():
-                qkv = interleave_qkv(
-                    q, k, v, num_query_groups=shape.num_query_groups, head_dim=shape.head_dim
-                )
+                qkv = interleave_qkv(q, k, v, num_query_groups=shape.num_query_groups, head_dim=shape.head_dim)
                 out[name] = to_rank(qkv, _QKV, name)
         name = f"{mc_prefix}mlp.linear_fc1.weight"
         gate, up = take(f"{hf_prefix}mlp.gate_proj.weight"), take(f"{hf_prefix}mlp.up_proj.weight")
@@ -306,7 +295,7 @@ def _merge_ranks(name: str, shards: list[Tensor]) -> Tensor:
     if kind in (_VOCAB, _QKV):
         return torch.cat(shards, dim=0)
     # _FC1: every rank holds [gate shard; up shard].
-    gates, ups = zip(*(shard.chunk(2, dim=0) for shard in shards))
+    gates, ups = zip(*(shard.chunk(2, dim=0) for shard in shards), strict=True)
     return torch.cat([*gates, *ups], dim=0)
 
 
@@ -354,7 +343,7 @@ def megatron_to_hf(
                     num_query_groups=shape.num_query_groups,
                     head_dim=shape.head_dim,
                 )
-                for proj, tensor in zip("qkv", (q, k, v)):
+                for proj, tensor in zip("qkv", (q, k, v), strict=True):
                     out[f"{hf_prefix}self_attn.{proj}_proj.{param}"] = tensor
         fc1 = take(f"{mc_prefix}mlp.linear_fc1.weight")
         if fc1.numel():
@@ -425,8 +414,7 @@ def load_hf_into_megatron(model: GPTModel, hf_dir: str | Path) -> Any:
     missing = [name for name in incompatible.missing_keys if not name.endswith("_extra_state")]
     if missing or incompatible.unexpected_keys:
         raise ValueError(
-            f"loading {hf_dir} into GPTModel: missing {missing[:8]}, "
-            f"unexpected {incompatible.unexpected_keys[:8]}"
+            f"loading {hf_dir} into GPTModel: missing {missing[:8]}, unexpected {incompatible.unexpected_keys[:8]}"
         )
     logger.info("loaded %d HF tensors from %s", len(state), hf_dir)
     return hf_config
@@ -446,10 +434,7 @@ def save_megatron_as_hf(
     from safetensors.torch import save_file
 
     states = gather_tensor_parallel_states(model.state_dict())
-    writer = (
-        parallel_state.get_tensor_model_parallel_rank() == 0
-        and parallel_state.get_data_parallel_rank() == 0
-    )
+    writer = parallel_state.get_tensor_model_parallel_rank() == 0 and parallel_state.get_data_parallel_rank() == 0
     out: Path | None = None
     if writer:
         out = Path(out_dir)
@@ -459,9 +444,7 @@ def save_megatron_as_hf(
         tensors = {name: tensor.contiguous().clone() for name, tensor in hf_state.items()}
         dtypes = {tensor.dtype for tensor in tensors.values()}
         if len(dtypes) != 1:
-            raise ValueError(
-                f"mixed parameter dtypes {sorted(map(str, dtypes))}; cast the model first"
-            )
+            raise ValueError(f"mixed parameter dtypes {sorted(map(str, dtypes))}; cast the model first")
         config = hf_config.__class__.from_dict(hf_config.to_dict())
         config.architectures = [SUPPORTED_MODEL_TYPES[hf_config.model_type]]
         config.dtype = dtypes.pop()

@@ -90,7 +90,9 @@ class _CosSinCache:
         self.size = size
         self.entries: dict[tuple, tuple[Tensor, Tensor, Tensor]] = {}
 
-    def get(self, freqs: Tensor, dtype: torch.dtype, *, length: int, bounds: tuple[int, ...] | None) -> tuple[Tensor, Tensor]:
+    def get(
+        self, freqs: Tensor, dtype: torch.dtype, *, length: int, bounds: tuple[int, ...] | None
+    ) -> tuple[Tensor, Tensor]:
         """cos and sin in `dtype` of freqs[:length], or of the packed positions of `bounds`."""
         key = (id(freqs), freqs._version, dtype, length, bounds)
         hit = self.entries.pop(key, None)

@@ -67,9 +67,7 @@ def rope_settings_from_hf(hf_config: Any) -> dict[str, Any]:
         }
         got = {key: rope[key] for key in fixed}
         if got != fixed:
-            raise NotImplementedError(
-                f"llama3 rope scaling with {got}: Megatron's RotaryEmbedding hard-codes {fixed}"
-            )
+            raise NotImplementedError(f"llama3 rope scaling with {got}: Megatron's RotaryEmbedding hard-codes {fixed}")
         return {**settings, "rope_scaling": True, "rope_scaling_factor": float(rope["factor"])}
     raise NotImplementedError(f"rope_type={rope_type!r} ({rope}) is not mapped to Megatron")
 
@@ -101,13 +99,9 @@ def transformer_config_from_hf(
     n_kv = hf_config.num_key_value_heads
     for name, count in (("num_attention_heads", n_heads), ("num_key_value_heads", n_kv)):
         if count % tensor_parallel:
-            raise ValueError(
-                f"{name}={count} is not divisible by tensor_parallel={tensor_parallel}"
-            )
+            raise ValueError(f"{name}={count} is not divisible by tensor_parallel={tensor_parallel}")
     recompute_settings = (
-        {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
-        if recompute
-        else {}
+        {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1} if recompute else {}
     )
     return TransformerConfig(
         num_layers=hf_config.num_hidden_layers,

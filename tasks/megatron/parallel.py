@@ -74,7 +74,8 @@ def init_parallel(*, tensor_parallel: int = 1, seed: int) -> ParallelLayout:
     `initialize_model_parallel` and `model_parallel_cuda_manual_seed`, as they must be.
     Seeds are re-applied on every call, so a repeated call gives a reproducible state.
     """
-    from megatron.core import parallel_state, tensor_parallel as mcore_tp
+    from megatron.core import parallel_state
+    from megatron.core import tensor_parallel as mcore_tp
 
     from tasks.megatron.compat import apply_cpu_compat
 
@@ -82,9 +83,7 @@ def init_parallel(*, tensor_parallel: int = 1, seed: int) -> ParallelLayout:
         _init_process_group()
     world_size = dist.get_world_size()
     if tensor_parallel < 1 or world_size % tensor_parallel:
-        raise ValueError(
-            f"tensor_parallel={tensor_parallel} does not divide world_size={world_size}"
-        )
+        raise ValueError(f"tensor_parallel={tensor_parallel} does not divide world_size={world_size}")
     if parallel_state.model_parallel_is_initialized():
         current = parallel_state.get_tensor_model_parallel_world_size()
         if current != tensor_parallel:

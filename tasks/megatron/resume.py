@@ -18,7 +18,6 @@ def full_state_iteration(run: Run, iteration: int) -> int:
     """The last iteration <= `iteration` with a committed full training state (0: the base model)."""
     from storage.checkpoints import checkpoint_exists
     from storage.manifest import stage_done
-
     from storage.retention import is_pruned
 
     for m in range(iteration, 0, -1):
@@ -45,7 +44,9 @@ def restore_trainer(run: Run, iteration: int) -> MegatronTrainer:
     if start > 0:
         trainer.load_megatron(checkpoint_dir(run, start, "megatron"))
     for m in range(start + 1, iteration + 1):
-        logger.info("replaying the training of iteration %d from its teacher shards (full state of iteration %d)", m, start)
+        logger.info(
+            "replaying the training of iteration %d from its teacher shards (full state of iteration %d)", m, start
+        )
         columns = read_stage_columns(run.layout, m, "teacher", verify=run.cfg.storage.verify_sha256)
         trainer.train_iteration(columns, iteration=m)
         check_replay(run, trainer, m)

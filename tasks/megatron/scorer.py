@@ -112,9 +112,7 @@ class MegatronTeacherScorer:
                 f"trust_region_rate={trust_region_rate} needs a reference model and vice versa "
                 f"(reference {'loaded' if self.reference is not None else 'absent'})"
             )
-        k = check_scoring_inputs(
-            sequences, topk_ids, logit_chunk_tokens=logit_chunk_tokens, vocab_size=self.vocab_size
-        )
+        k = check_scoring_inputs(sequences, topk_ids, logit_chunk_tokens=logit_chunk_tokens, vocab_size=self.vocab_size)
         group = parallel_state.get_tensor_model_parallel_group()
 
         results: list[TeacherScores | None] = [None] * len(sequences)
@@ -149,7 +147,11 @@ class MegatronTeacherScorer:
                 local_rows = torch.arange(r.shape[0], device=self.device)
                 parts.append(
                     vocab_parallel_token_logprobs(
-                        chunk, local_rows, ids[c0 : c0 + logit_chunk_tokens], group=group, vocab_size=self.vocab_size,
+                        chunk,
+                        local_rows,
+                        ids[c0 : c0 + logit_chunk_tokens],
+                        group=group,
+                        vocab_size=self.vocab_size,
                         chunk_tokens=logit_chunk_tokens,
                     )
                 )

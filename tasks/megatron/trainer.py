@@ -213,9 +213,9 @@ class MegatronTrainer:
             device = next(self.model.parameters()).device
 
             def forward_step(data_iterator: Any, model: Any) -> tuple[Any, Any]:
-                batch = next(data_iterator).to(device)
+                batch = next(data_iterator).to(device)  # noqa: B023 -- called within this step only
                 logits = model(batch.tokens, batch.position_ids, None, packed_seq_params=batch.packed_seq_params)
-                return logits, partial(self._loss_func, batch, denominators, scale)
+                return logits, partial(self._loss_func, batch, denominators, scale)  # noqa: B023 -- as above
 
             self.model.zero_grad_buffer()
             self.optimizer.zero_grad()
@@ -316,7 +316,8 @@ def seed_training_rng(seed: int, iteration: int) -> None:
     tracker) from (seed, iteration, data-parallel rank) alone: an iteration trains the same way
     whether its process trained the previous one, resumed from the store, or replayed."""
     import torch
-    from megatron.core import parallel_state, tensor_parallel as mcore_tp
+    from megatron.core import parallel_state
+    from megatron.core import tensor_parallel as mcore_tp
 
     rank = parallel_state.get_data_parallel_rank()
     value = int(np.random.SeedSequence([seed, iteration, rank]).generate_state(1)[0])

@@ -53,7 +53,12 @@ def vocab_parallel_token_logprobs(
     rank = dist.get_rank(group)
     if world == 1:
         return chunked_token_logprobs(
-            local_logits, rows, ids, vocab_size=vocab_size, chunk_tokens=chunk_tokens, chunk_vocab=chunk_vocab,
+            local_logits,
+            rows,
+            ids,
+            vocab_size=vocab_size,
+            chunk_tokens=chunk_tokens,
+            chunk_vocab=chunk_vocab,
             compile=compile,
         )
     local = local_logits.shape[-1]

@@ -80,7 +80,10 @@ class BudgetedVerifier:
     def _start(self) -> None:
         self._process = subprocess.Popen(
             [sys.executable, "-m", "tasks.sandbox.budget", self.name, json.dumps(self.kwargs)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, encoding="utf-8",
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            encoding="utf-8",
         )
         if self._answer(_START_S) != ["ready", None]:
             self.close()
@@ -94,8 +97,9 @@ class BudgetedVerifier:
         self._process.stdin.flush()
         answer = self._answer(self.budget_s)
         if answer is None:
-            logger.warning("verifier %s: an answer overran its %.3g s budget; its worker was stopped", self.name,
-                           self.budget_s)
+            logger.warning(
+                "verifier %s: an answer overran its %.3g s budget; its worker was stopped", self.name, self.budget_s
+            )
             self.close()
             return overrun_verdict(self.budget_s)
         kind, payload = answer

@@ -5,6 +5,7 @@ Standard library only: copied into the sandbox beside the harness and imported t
 import json
 import os
 
+
 class CodecError(TypeError):
     """A value that is not made of plain types (or too deep / too large to pass)."""
 
@@ -59,6 +60,7 @@ def decode(tree):
 
 def to_json(value):
     """A functional test's return value as JSON text, plain types only."""
+
     def check(item, depth):
         if depth > _MAX_DEPTH:
             raise CodecError(f"a value nested deeper than {_MAX_DEPTH} levels")
@@ -89,7 +91,7 @@ class Channel:
         data = (json.dumps(message) + "\n").encode()
         view = memoryview(data)
         while view:
-            view = view[os.write(self.write_fd, view):]
+            view = view[os.write(self.write_fd, view) :]
 
     def receive(self):
         """The next message, or None at end of file; ValueError for an oversized or unreadable one."""

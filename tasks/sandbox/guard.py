@@ -10,21 +10,60 @@ def _under(path, roots):
 
 
 _PROCESS_EVENTS = frozenset(
-    {"os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork", "os.forkpty", "subprocess.Popen",
-     "os.kill", "os.killpg", "signal.pthread_kill", "pty.spawn", "os.startfile"}
+    {
+        "os.system",
+        "os.exec",
+        "os.posix_spawn",
+        "os.spawn",
+        "os.fork",
+        "os.forkpty",
+        "subprocess.Popen",
+        "os.kill",
+        "os.killpg",
+        "signal.pthread_kill",
+        "pty.spawn",
+        "os.startfile",
+    }
 )
 _WRITE_PATH_EVENTS = frozenset(
-    {"os.remove", "os.rmdir", "os.rename", "os.mkdir", "os.chmod", "os.chown", "os.truncate", "os.utime",
-     "os.link", "os.symlink", "shutil.rmtree", "shutil.move", "shutil.copyfile", "shutil.copytree",
-     "os.chflags", "os.setxattr", "os.removexattr"}
+    {
+        "os.remove",
+        "os.rmdir",
+        "os.rename",
+        "os.mkdir",
+        "os.chmod",
+        "os.chown",
+        "os.truncate",
+        "os.utime",
+        "os.link",
+        "os.symlink",
+        "shutil.rmtree",
+        "shutil.move",
+        "shutil.copyfile",
+        "shutil.copytree",
+        "os.chflags",
+        "os.setxattr",
+        "os.removexattr",
+    }
 )
 _READ_PATH_EVENTS = frozenset({"os.listdir", "os.scandir", "os.chdir", "glob.glob", "os.getxattr", "os.listxattr"})
 _BLOCKED_MODULES = frozenset(
     {"ctypes", "_ctypes", "_posixsubprocess", "_xxsubinterpreters", "_testcapi", "_posixshmem", "_multiprocessing"}
 )
 # functions that create files or signal processes without raising an audit event
-_REMOVED_FUNCTIONS = ("mkfifo", "mknod", "pidfd_open", "setpriority", "fchdir", "fchmod", "fchown", "memfd_create",
-                      "setsid", "setpgid", "setpgrp")  # the last three: leaving the sandbox's process group
+_REMOVED_FUNCTIONS = (
+    "mkfifo",
+    "mknod",
+    "pidfd_open",
+    "setpriority",
+    "fchdir",
+    "fchmod",
+    "fchown",
+    "memfd_create",
+    "setsid",
+    "setpgid",
+    "setpgrp",
+)  # the last three: leaving the sandbox's process group
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
 
 

@@ -107,8 +107,19 @@ def setup(config):
     os.closerange(keep[0] + 1, keep[1])
     os.closerange(keep[1] + 1, 65536)
     python = config["python"]
-    argv = [python, "-I", "-S", "-B", config["harness"], "run", str(job_fd), str(config["result_fd"]),
-            config["guard"], "-", config["limits"]]
+    argv = [
+        python,
+        "-I",
+        "-S",
+        "-B",
+        config["harness"],
+        "run",
+        str(job_fd),
+        str(config["result_fd"]),
+        config["guard"],
+        "-",
+        config["limits"],
+    ]
     os.execve(python, argv, config["env"])
 
 
@@ -257,19 +268,36 @@ class _Judge:
         try:
             if "error" in compiled:
                 self.send({"event": "start", "index": 0})
-                self.send({"event": "result", "index": 0, "status": "error", "output": "", "error": compiled["error"],
-                           "stderr": ""})
+                self.send(
+                    {
+                        "event": "result",
+                        "index": 0,
+                        "status": "error",
+                        "output": "",
+                        "error": compiled["error"],
+                        "stderr": "",
+                    }
+                )
                 return
             for index in range(n):
                 self.send({"event": "start", "index": index})
                 self.send({"event": "result", "index": index, **self.run_test(index)})
         except _ProgramFailed as exc:  # the runner is gone: this test failed, the rest cannot run
-            self.send({"event": "result", "index": index, "status": "error", "output": "", "error": str(exc),
-                       "stderr": ""})
+            self.send(
+                {"event": "result", "index": index, "status": "error", "output": "", "error": str(exc), "stderr": ""}
+            )
             for rest in range(index + 1, n):
                 self.send({"event": "start", "index": rest})
-                self.send({"event": "result", "index": rest, "status": "not_run", "output": "",
-                           "error": "not run: an earlier test stopped the run", "stderr": ""})
+                self.send(
+                    {
+                        "event": "result",
+                        "index": rest,
+                        "status": "not_run",
+                        "output": "",
+                        "error": "not run: an earlier test stopped the run",
+                        "stderr": "",
+                    }
+                )
 
 
 def run(job_source, result_fd, guard, uid, limits):

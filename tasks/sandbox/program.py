@@ -46,7 +46,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from functools import lru_cache, partial
+from functools import cache, lru_cache, partial
 from pathlib import Path
 from typing import Literal
 
@@ -142,7 +142,7 @@ def _isolation(limits: SandboxLimits) -> Literal["namespace", "process"]:
     )
 
 
-@lru_cache(maxsize=None)
+@cache
 def _warn_once(message: str) -> None:
     logger.warning(message)
 
@@ -259,15 +259,31 @@ def run_program(program: str, suite: TestSuite, *, limits: SandboxLimits = Sandb
             guard = "guard" if limits.python_guard else "noguard"
             if mode == "namespace":
                 assert uid is not None  # namespace isolation needs root
-                cmd, cwd = _namespace_command(base, job, python=python, uid=uid, result_fd=write_fd, guard=guard,
-                                              limits=limits, run_limits=run_limits, cgroup_procs=cgroup_procs)
+                cmd, cwd = _namespace_command(
+                    base,
+                    job,
+                    python=python,
+                    uid=uid,
+                    result_fd=write_fd,
+                    guard=guard,
+                    limits=limits,
+                    run_limits=run_limits,
+                    cgroup_procs=cgroup_procs,
+                )
             else:
-                cmd, cwd = _process_command(base, job, python=python, uid=uid, result_fd=write_fd, guard=guard,
-                                            run_limits=run_limits)
+                cmd, cwd = _process_command(
+                    base, job, python=python, uid=uid, result_fd=write_fd, guard=guard, run_limits=run_limits
+                )
             with open(base / "stdout", "wb") as out, open(base / "stderr", "wb") as err:
                 proc = subprocess.Popen(
-                    cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=err, pass_fds=(write_fd,),
-                    start_new_session=True, cwd=cwd, env=_scrubbed_env(cwd if mode == "process" else _WORKDIR_IN_ROOT),
+                    cmd,
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=err,
+                    pass_fds=(write_fd,),
+                    start_new_session=True,
+                    cwd=cwd,
+                    env=_scrubbed_env(cwd if mode == "process" else _WORKDIR_IN_ROOT),
                 )
             os.close(write_fd)
             write_fd = -1
@@ -277,8 +293,10 @@ def run_program(program: str, suite: TestSuite, *, limits: SandboxLimits = Sandb
             _kill_group(proc)  # before the cgroup goes: nothing of the sandbox may outlive the run
             if executions is None:
                 stderr = (base / "stderr").read_text(errors="replace")[-2000:]
-                raise RuntimeError(f"the code sandbox ({mode}) failed before running any test "
-                                   f"({_exit_description(proc.returncode)}): {stderr}")
+                raise RuntimeError(
+                    f"the code sandbox ({mode}) failed before running any test "
+                    f"({_exit_description(proc.returncode)}): {stderr}"
+                )
             return executions
     finally:
         if proc is not None:
@@ -300,8 +318,16 @@ def _write_job(folder: Path, job: dict) -> None:
 
 
 def _namespace_command(
-    base: Path, job: dict, *, python: str, uid: int, result_fd: int, guard: str, limits: SandboxLimits,
-    run_limits: dict, cgroup_procs: Path | None,
+    base: Path,
+    job: dict,
+    *,
+    python: str,
+    uid: int,
+    result_fd: int,
+    guard: str,
+    limits: SandboxLimits,
+    run_limits: dict,
+    cgroup_procs: Path | None,
 ) -> tuple[list[str], str]:
     """`unshare` + the harness's setup phase, which builds the minimal root under base/root."""
     root = base / "root"
@@ -329,8 +355,24 @@ def _namespace_command(
     }
     unshare = shutil.which("unshare")
     assert unshare is not None  # checked by namespace_isolation_available
-    cmd = [unshare, "--net", "--mount", "--pid", "--ipc", "--uts", "--fork", "--kill-child", "--",
-           python, "-I", "-S", "-B", str(root / "harness.py"), "setup", json.dumps(config)]
+    cmd = [
+        unshare,
+        "--net",
+        "--mount",
+        "--pid",
+        "--ipc",
+        "--uts",
+        "--fork",
+        "--kill-child",
+        "--",
+        python,
+        "-I",
+        "-S",
+        "-B",
+        str(root / "harness.py"),
+        "setup",
+        json.dumps(config),
+    ]
     return cmd, str(base)
 
 
@@ -343,8 +385,19 @@ def _process_command(
     _write_job(base, job)
     if uid is not None:
         os.chown(work, uid, uid)
-    cmd = [python, "-I", "-S", "-B", str(base / "harness.py"), "run", str(base / "job.json"), str(result_fd), guard,
-           "-" if uid is None else str(uid), json.dumps(run_limits)]
+    cmd = [
+        python,
+        "-I",
+        "-S",
+        "-B",
+        str(base / "harness.py"),
+        "run",
+        str(base / "job.json"),
+        str(result_fd),
+        guard,
+        "-" if uid is None else str(uid),
+        json.dumps(run_limits),
+    ]
     return cmd, str(work)
 
 
@@ -382,8 +435,11 @@ def _collect(
                 current = None
                 test_deadline = time.monotonic() + per_test  # the next start must follow promptly
             elif event == "oversized":
-                stop = Execution(index=len(results), status="error",
-                                 error="Output Limit Exceeded: the program's output overflowed the sandbox's report")
+                stop = Execution(
+                    index=len(results),
+                    status="error",
+                    error="Output Limit Exceeded: the program's output overflowed the sandbox's report",
+                )
                 break
             else:
                 stop = Execution(

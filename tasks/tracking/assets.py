@@ -105,7 +105,9 @@ def log_policies(tracker: Any, run: Any) -> None:
     best = _best_iteration(run)
     if best is not None and best != cfg.iterations:
         if is_pruned(run.layout, best, "policy"):
-            logger.warning("the best policy (iteration %d by %s) was pruned by retention; not logged", best, BEST_METRIC)
+            logger.warning(
+                "the best policy (iteration %d by %s) was pruned by retention; not logged", best, BEST_METRIC
+            )
         else:
             _log_policy(tracker, run, best, "best_policy", registered_name=None)
     tracker.set_tags({POLICIES_TAG: str(cfg.iterations)})

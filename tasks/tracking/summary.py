@@ -50,9 +50,7 @@ class RunSummary:
         self.seconds = sum(self.stage_seconds().values()) + sum(m.get("eval/seconds", 0.0) for m in steps)
 
     def stage_seconds(self) -> dict[str, float]:
-        return {
-            stage: sum(m.get(key, 0.0) for m in self.iterations.values()) for stage, key in STAGE_SECONDS.items()
-        }
+        return {stage: sum(m.get(key, 0.0) for m in self.iterations.values()) for stage, key in STAGE_SECONDS.items()}
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -80,7 +78,12 @@ class RunSummary:
                 plot_curves(self, out / "reward_accuracy.png")
             for path in sorted(out.iterdir()):
                 tracker.log_artifact(path)
-            tracker.set_tags({"sdpo.config_url": run.layout.run_json, "sdpo.latest_checkpoint": run.layout.checkpoint_dir(max(self.iterations or {0: None}), "policy")})
+            tracker.set_tags(
+                {
+                    "sdpo.config_url": run.layout.run_json,
+                    "sdpo.latest_checkpoint": run.layout.checkpoint_dir(max(self.iterations or {0: None}), "policy"),
+                }
+            )
 
 
 def sample_table(run: Run, iteration: int, *, limit: int = 24) -> list[dict[str, Any]]:
@@ -91,7 +94,16 @@ def sample_table(run: Run, iteration: int, *, limit: int = 24) -> list[dict[str,
         run.layout,
         iteration,
         "teacher",
-        columns=["group_id", "prompt_messages", "response_text", "reward", "feedback", "teacher_prompt_text", "teacher_source", "sample_mask"],
+        columns=[
+            "group_id",
+            "prompt_messages",
+            "response_text",
+            "reward",
+            "feedback",
+            "teacher_prompt_text",
+            "teacher_source",
+            "sample_mask",
+        ],
         verify=run.cfg.storage.verify_sha256,
     )
     rows = []
@@ -119,12 +131,15 @@ def plot_curves(summary: RunSummary, path: Path) -> None:
 
     steps = sorted(summary.iterations)
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(steps, [summary.iterations[s].get("rollout/reward_mean", float("nan")) for s in steps], label="rollout reward")
+    ax.plot(
+        steps, [summary.iterations[s].get("rollout/reward_mean", float("nan")) for s in steps], label="rollout reward"
+    )
     evals = [s for s in steps if "eval/greedy_accuracy" in summary.iterations[s]]
     xs = [0, *evals]
     ax.plot(
         xs,
-        [summary.before.get("eval/greedy_accuracy", float("nan"))] + [summary.iterations[s]["eval/greedy_accuracy"] for s in evals],
+        [summary.before.get("eval/greedy_accuracy", float("nan"))]
+        + [summary.iterations[s]["eval/greedy_accuracy"] for s in evals],
         marker="o",
         label="eval greedy accuracy",
     )
@@ -146,7 +161,9 @@ def render_table(summary: dict[str, Any]) -> Any:
     table.add_column("before", justify="right")
     table.add_column("after", justify="right")
     for key in ("eval/greedy_accuracy", "eval/sampled_accuracy", "eval/teacher_accuracy"):
-        table.add_row(key, f"{summary['before'].get(key, float('nan')):.3f}", f"{summary['after'].get(key, float('nan')):.3f}")
+        table.add_row(
+            key, f"{summary['before'].get(key, float('nan')):.3f}", f"{summary['after'].get(key, float('nan')):.3f}"
+        )
     for stage, seconds in summary["stage_seconds"].items():
         table.add_row(f"time in {stage} (s)", "", f"{seconds:.1f}")
     table.add_row("wall time (s)", "", f"{summary['seconds']:.1f}")

@@ -16,7 +16,15 @@ from fastapi import Query as Param
 from fastapi.responses import FileResponse
 
 from tasks.viewer.data import (
-    MAX_PAGE, BadQueryError, MaskFilter, NotFoundError, Query, RunData, SortKey, page, summary,
+    MAX_PAGE,
+    BadQueryError,
+    MaskFilter,
+    NotFoundError,
+    Query,
+    RunData,
+    SortKey,
+    page,
+    summary,
 )
 
 logger = logging.getLogger(__name__)
@@ -44,8 +52,13 @@ def create_app(data: RunData) -> FastAPI:
     @app.get("/api/run")
     def run_info() -> dict[str, Any]:
         cfg = data.run.cfg
-        return {"run": data.layout.run_name, "url": data.layout.run_url, "loss": cfg.loss.type,
-                "feedback": cfg.teacher.feedback, "iterations": data.iterations()}
+        return {
+            "run": data.layout.run_name,
+            "url": data.layout.run_url,
+            "loss": cfg.loss.type,
+            "feedback": cfg.teacher.feedback,
+            "iterations": data.iterations(),
+        }
 
     @app.get("/api/iterations/{n}/summary")
     def iteration_summary(n: int) -> dict[str, Any]:
@@ -66,9 +79,18 @@ def create_app(data: RunData) -> FastAPI:
         limit: Annotated[int, Param(ge=1, le=MAX_PAGE)] = 50,
     ) -> dict[str, Any]:
         def answer() -> dict[str, Any]:
-            query = Query(sort=sort, descending=order == "desc", reward_min=reward_min, reward_max=reward_max,
-                          mask=mask, data_source=data_source or None, finish_reason=finish_reason or None,
-                          search=q or None, offset=offset, limit=limit)
+            query = Query(
+                sort=sort,
+                descending=order == "desc",
+                reward_min=reward_min,
+                reward_max=reward_max,
+                mask=mask,
+                data_source=data_source or None,
+                finish_reason=finish_reason or None,
+                search=q or None,
+                offset=offset,
+                limit=limit,
+            )
             return page(data.index(n), query)
 
         return lookup(answer)

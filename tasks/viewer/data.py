@@ -34,8 +34,18 @@ MAX_PAGE = 500
 PREVIEW_CHARS = 160
 _CACHED_ITERATIONS = 4
 _ROLLOUT_INDEX = (
-    "sample_id", "group_id", "prompt_id", "reward", "finish_reason", "format_error", "data_source", "label",
-    "feedback", "response_text", "prompt_messages", "sampled_logprobs",
+    "sample_id",
+    "group_id",
+    "prompt_id",
+    "reward",
+    "finish_reason",
+    "format_error",
+    "data_source",
+    "label",
+    "feedback",
+    "response_text",
+    "prompt_messages",
+    "sampled_logprobs",
 )
 _TEACHER_INDEX = ("teacher_sampled_logprobs", "sample_mask", "teacher_source")
 
@@ -188,8 +198,12 @@ def select(index: IterationIndex, query: Query) -> np.ndarray:
         needle = query.search.lower()
         keep &= np.fromiter((needle in text for text in index.search_text), dtype=bool, count=keep.size)
     rows = np.flatnonzero(keep)
-    key = {"sample_id": index.sample_id, "reward": index.reward, "length": index.length,
-           "divergence": index.divergence}[query.sort][rows].astype(np.float64)
+    key = {
+        "sample_id": index.sample_id,
+        "reward": index.reward,
+        "length": index.length,
+        "divergence": index.divergence,
+    }[query.sort][rows].astype(np.float64)
     if query.descending:
         key = -key
     key = np.where(np.isnan(key), np.inf, key)  # unscored samples last in either direction
@@ -219,9 +233,13 @@ def list_row(index: IterationIndex, i: int) -> dict[str, Any]:
 def page(index: IterationIndex, query: Query) -> dict[str, Any]:
     """{"total": matches, "offset", "limit", "rows": [list_row]} of one page."""
     rows = select(index, query)
-    chosen = rows[query.offset: query.offset + query.limit]
-    return {"total": int(rows.size), "offset": query.offset, "limit": query.limit,
-            "rows": [list_row(index, int(i)) for i in chosen]}
+    chosen = rows[query.offset : query.offset + query.limit]
+    return {
+        "total": int(rows.size),
+        "offset": query.offset,
+        "limit": query.limit,
+        "rows": [list_row(index, int(i)) for i in chosen],
+    }
 
 
 def _fraction(values: np.ndarray) -> float | None:
@@ -281,8 +299,9 @@ class RunData:
                 continue
             stage = self.stage_of(n)
             rows = read_stage_manifest(self.layout, n, stage).data["rows"]
-            out.append({"iteration": n, "stage": stage, "samples": rows,
-                        "committed": iteration_committed(self.layout, n)})
+            out.append(
+                {"iteration": n, "stage": stage, "samples": rows, "committed": iteration_committed(self.layout, n)}
+            )
         return out
 
     def index(self, n: int) -> IterationIndex:

@@ -25,8 +25,15 @@ logger = logging.getLogger(__name__)
 HOVER_TOP = 20  # candidates shown per token: all K when K is smaller
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".distcp")
 _GROUP_COLUMNS = (
-    "sample_id", "group_id", "prompt_messages", "response_text", "reward", "feedback", "finish_reason",
-    "format_error", "teacher_prompt",
+    "sample_id",
+    "group_id",
+    "prompt_messages",
+    "response_text",
+    "reward",
+    "feedback",
+    "finish_reason",
+    "format_error",
+    "teacher_prompt",
 )
 
 
@@ -47,8 +54,9 @@ def policy_tokenizer(data: RunData, n: int) -> Any:
     from storage.checkpoints import download_checkpoint_files
 
     cfg = data.run.cfg.storage
-    folder = download_checkpoint_files(data.layout, n - 1, "policy", include=_not_weights,
-                                       cache_dir=cfg.cache_dir, verify=cfg.verify_sha256)
+    folder = download_checkpoint_files(
+        data.layout, n - 1, "policy", include=_not_weights, cache_dir=cfg.cache_dir, verify=cfg.verify_sha256
+    )
     return _tokenizer(folder)
 
 
@@ -90,18 +98,24 @@ def response_tokens(tokenizer: Any, row: dict[str, Any]) -> list[dict[str, Any]]
     regions = token_regions(pieces)
     tokens = []
     for t, piece in enumerate(pieces):
-        tokens.append({
-            "text": piece,
-            "region": regions[t],
-            "credit": credit[t] if scored else None,
-            "colour": credit_colour(credit[t]) if scored and credit[t] is not None else None,
-            "student": student[t],
-            "teacher": teacher[t] if scored else None,
-            "alternatives": [
-                {"text": texts[int(a)], "student": student_alt[t][j], "teacher": teacher_alt[t][j] if scored else None}
-                for j, a in enumerate(k[t].tolist())
-            ],
-        })
+        tokens.append(
+            {
+                "text": piece,
+                "region": regions[t],
+                "credit": credit[t] if scored else None,
+                "colour": credit_colour(credit[t]) if scored and credit[t] is not None else None,
+                "student": student[t],
+                "teacher": teacher[t] if scored else None,
+                "alternatives": [
+                    {
+                        "text": texts[int(a)],
+                        "student": student_alt[t][j],
+                        "teacher": teacher_alt[t][j] if scored else None,
+                    }
+                    for j, a in enumerate(k[t].tolist())
+                ],
+            }
+        )
     return tokens
 
 
@@ -154,8 +168,10 @@ def mask_reason(data: RunData, index: IterationIndex, i: int, *, demo: int | Non
             why_feedback = "the verifier returned no feedback" if feedback is None else "feedback was not used"
         return f"masked: no demonstration ({why_demo}) and no feedback ({why_feedback})"
     if isinstance(policy, RelaxSDPOFeedback):
-        return ("masked: no success in the group, and the sample is neither a format error nor truncated "
-                "with feedback (the Relax rules)")
+        return (
+            "masked: no success in the group, and the sample is neither a format error nor truncated "
+            "with feedback (the Relax rules)"
+        )
     return f"masked by the feedback policy {cfg.teacher.feedback!r} (teacher source {source!r}, demo {demo})"
 
 
@@ -209,12 +225,14 @@ def group_detail(data: RunData, n: int, group_id: int) -> dict[str, Any]:
     served = {d for d in demos.values() if d is not None}
     members = []
     for i, record in zip(rows, records, strict=True):
-        members.append({
-            **list_row(index, int(i)),
-            "response": segments(record.response_text),
-            "demonstration": demos.get(record.sample_id),
-            "served_as_demonstration": record.sample_id in served,
-        })
+        members.append(
+            {
+                **list_row(index, int(i)),
+                "response": segments(record.response_text),
+                "demonstration": demos.get(record.sample_id),
+                "served_as_demonstration": record.sample_id in served,
+            }
+        )
     return {
         "iteration": n,
         "group_id": group_id,

@@ -107,19 +107,37 @@ class ViewerApp(App):
             self.sub_title = f"{self.data.layout.run_name}: no committed rollout yet"
             return
         index = self.data.index(self.iteration)
-        result = page(index, Query(sort=self.sort, descending=self.descending, mask=self.mask,
-                                   search=self.search or None, offset=self.offset, limit=PAGE))
+        result = page(
+            index,
+            Query(
+                sort=self.sort,
+                descending=self.descending,
+                mask=self.mask,
+                search=self.search or None,
+                offset=self.offset,
+                limit=PAGE,
+            ),
+        )
         self.total = result["total"]
         for row in result["rows"]:
             mask = "–" if row["mask"] is None else "trained" if row["mask"] else "masked"
-            table.add_row(str(row["sample_id"]), str(row["group_id"]), _fmt(row["reward"], 2), str(row["length"]),
-                          _fmt(row["divergence"]), mask, row["preview"][:60].replace("\n", " "),
-                          key=str(row["sample_id"]))
+            table.add_row(
+                str(row["sample_id"]),
+                str(row["group_id"]),
+                _fmt(row["reward"], 2),
+                str(row["length"]),
+                _fmt(row["divergence"]),
+                mask,
+                row["preview"][:60].replace("\n", " "),
+                key=str(row["sample_id"]),
+            )
         s = summary(index)
         order = "desc" if self.descending else "asc"
         shown = f"{self.offset + 1 if self.total else 0}-{min(self.offset + PAGE, self.total)} of {self.total}"
-        self.sub_title = (f"{self.data.layout.run_name} · iteration {self.iteration} ({s['stage']}) · {shown} · "
-                          f"sort {self.sort} {order} · mask {self.mask} · reward {_fmt(s['reward_mean'])}")
+        self.sub_title = (
+            f"{self.data.layout.run_name} · iteration {self.iteration} ({s['stage']}) · {shown} · "
+            f"sort {self.sort} {order} · mask {self.mask} · reward {_fmt(s['reward_mean'])}"
+        )
 
     def action_sort(self, key: SortKey) -> None:
         self.descending = (not self.descending) if key == self.sort else key != "sample_id"
@@ -170,8 +188,9 @@ class ViewerApp(App):
         body.append(f"label {s['label']} · finish {s['finish_reason']} · feedback {s['feedback'] or '–'}\n\n")
         body.append("Prompt\n", style="bold underline")
         body.append_text(segments_text(s["prompt"]))
-        body.append("\n\nResponse: per-token credit (teacher − student log-prob; green +, red −)\n",
-                    style="bold underline")
+        body.append(
+            "\n\nResponse: per-token credit (teacher − student log-prob; green +, red −)\n", style="bold underline"
+        )
         body.append_text(credit_text(s["tokens"]))
         body.append("\n\nTeacher context\n", style="bold underline")
         demo = "none" if s["demonstration"] is None else f"sample {s['demonstration']}"
@@ -190,8 +209,10 @@ class ViewerApp(App):
         body = Text(f"group {g['group_id']}: {len(g['members'])} answers\n\n", style="bold")
         for m in g["members"]:
             mark = " [demonstration]" if m["served_as_demonstration"] else ""
-            body.append(f"sample {m['sample_id']} · reward {_fmt(m['reward'], 2)}{mark}\n",
-                        style="bold green" if mark else "bold")
+            body.append(
+                f"sample {m['sample_id']} · reward {_fmt(m['reward'], 2)}{mark}\n",
+                style="bold green" if mark else "bold",
+            )
             body.append_text(segments_text(m["response"]))
             body.append("\n\n")
         self.query_one("#detail", Static).update(body)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-
 VOCAB = 1024
 
 
@@ -16,8 +15,15 @@ def tiny_hf_dir(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("tiny_qwen3")
     config = Qwen3Config(
-        vocab_size=VOCAB, hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
-        num_key_value_heads=4, head_dim=64, max_position_embeddings=4096, tie_word_embeddings=False,
+        vocab_size=VOCAB,
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=64,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
         architectures=["Qwen3ForCausalLM"],
     )
     torch.manual_seed(0)

@@ -109,8 +109,12 @@ def test_fused_kernels_give_the_logits_and_gradients_of_the_plain_model(models):
         for p in model.parameters():
             p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
         padded = model(tokens, positions, None)
-        rows = model(packed.tokens.cuda(), packed.position_ids.cuda(), None, packed_seq_params=packed.packed_seq_params())
-        (padded.float().logsumexp(-1).sum() + rows[0][packed.sample_ids.cuda() >= 0].float().logsumexp(-1).sum()).backward()
+        rows = model(
+            packed.tokens.cuda(), packed.position_ids.cuda(), None, packed_seq_params=packed.packed_seq_params()
+        )
+        (
+            padded.float().logsumexp(-1).sum() + rows[0][packed.sample_ids.cuda() >= 0].float().logsumexp(-1).sum()
+        ).backward()
         grads = {n: p.main_grad + (0 if p.grad is None else p.grad.float()) for n, p in model.named_parameters()}
         results.append((padded.detach(), rows.detach(), grads))
         model.zero_grad()

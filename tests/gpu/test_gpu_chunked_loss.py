@@ -32,9 +32,13 @@ def test_float32_values_and_gradients_within_1e_5(compile, chunk_tokens, chunk_v
     ids = torch.randint(0, 5003, (450, 17), device="cuda", generator=gen)
     ids[:, 0] = 5002
     upstream = torch.randn(450, 17, device="cuda", generator=gen)
-    want, want_grad = value_and_grad(lambda z: reference_token_logprobs(z.double(), rows, ids), logits, upstream.double())
+    want, want_grad = value_and_grad(
+        lambda z: reference_token_logprobs(z.double(), rows, ids), logits, upstream.double()
+    )
     got, got_grad = value_and_grad(
-        lambda z: chunked_token_logprobs(z, rows, ids, chunk_tokens=chunk_tokens, chunk_vocab=chunk_vocab, compile=compile),
+        lambda z: chunked_token_logprobs(
+            z, rows, ids, chunk_tokens=chunk_tokens, chunk_vocab=chunk_vocab, compile=compile
+        ),
         logits,
         upstream,
     )
@@ -53,7 +57,9 @@ def test_bfloat16_qwen_vocabulary_with_padding_compiled():
         lambda z: reference_token_logprobs(z[:, :vocab].double(), rows, ids), logits, upstream.double()
     )
     got, got_grad = value_and_grad(
-        lambda z: chunked_token_logprobs(z, rows, ids, vocab_size=vocab, chunk_tokens=512, compile=True), logits, upstream
+        lambda z: chunked_token_logprobs(z, rows, ids, vocab_size=vocab, chunk_tokens=512, compile=True),
+        logits,
+        upstream,
     )
     assert got_grad.dtype == torch.bfloat16
     assert rel(got, want) < 1e-5  # same bf16 inputs, reduced in float32

@@ -21,16 +21,28 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 REPO = Path(__file__).resolve().parents[2]
 GPU_PATH = {
-    "attention": "sdpa", "packing": True, "pack_tokens": 512, "loss_chunk_tokens": 256, "loss_compile": True,
-    "recompute": True, "fused_kernels": True,
+    "attention": "sdpa",
+    "packing": True,
+    "pack_tokens": 512,
+    "loss_chunk_tokens": 256,
+    "loss_compile": True,
+    "recompute": True,
+    "fused_kernels": True,
 }
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 
 
 def torchrun(script: str, *args: str, nproc: int) -> None:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           str(REPO / "tests/integration/_scripts" / script), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        str(REPO / "tests/integration/_scripts" / script),
+        *args,
+    ]
     done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
 
@@ -50,7 +62,9 @@ LOSS = {"type": "sdpo", "is_clip": None}
 def train(tiny_hf_dir, columns_file, out: Path, train_cfg: dict, *, nproc: int = 1) -> dict:
     out.mkdir(parents=True)
     overrides = {"model": {"dtype": "bfloat16"}, "train": train_cfg, "loss": LOSS}
-    torchrun("train_variant_worker.py", str(tiny_hf_dir), str(columns_file), str(out), json.dumps(overrides), nproc=nproc)
+    torchrun(
+        "train_variant_worker.py", str(tiny_hf_dir), str(columns_file), str(out), json.dumps(overrides), nproc=nproc
+    )
     return json.loads((out / "metrics.json").read_text())
 
 

@@ -127,8 +127,15 @@ class FaultProxy:
     forwarded: list[tuple[str, str, int]] = field(default_factory=list)  # (method, path, status)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def inject(self, kind: FaultKind, *, method: str | None = None, path_contains: str | None = None,
-               times: int = 1, stall_s: float = 2.0) -> None:
+    def inject(
+        self,
+        kind: FaultKind,
+        *,
+        method: str | None = None,
+        path_contains: str | None = None,
+        times: int = 1,
+        stall_s: float = 2.0,
+    ) -> None:
         """Answer the next `times` matching requests with `kind` (500, 503, timeout, reset)."""
         with self.lock:
             self.faults.append(Fault(kind, method, path_contains, times, stall_s))

@@ -68,7 +68,6 @@ def fingerprint(layout: Any) -> dict[str, Any]:
     from storage.checkpoints import lineage
     from storage.layout import CHECKPOINT_KINDS, STAGES
     from storage.manifest import read_latest, read_manifest
-
     from storage.stages import EVAL_FILE, read_eval
 
     digests: dict[str, str] = {}

@@ -51,9 +51,9 @@ def test_template_phrases_are_single_tokens(tokenizer):
 def test_special_tokens_and_eos(tokenizer):
     assert tokenizer.eos_token == IM_END
     assert tokenizer.pad_token_id != tokenizer.eos_token_id
-    assert tokenizer.encode("<|im_start|>user<|im_end|>", add_special_tokens=False)[0] == tokenizer.convert_tokens_to_ids(
-        "<|im_start|>"
-    )
+    assert tokenizer.encode("<|im_start|>user<|im_end|>", add_special_tokens=False)[
+        0
+    ] == tokenizer.convert_tokens_to_ids("<|im_start|>")
     assert tokenizer.encode("7", add_special_tokens=True) == tokenizer.encode("7", add_special_tokens=False)
 
 
@@ -85,7 +85,9 @@ def test_saved_tokenizer_reloads_identically(tokenizer, tmp_path):
 
 @pytest.mark.parametrize("architecture", ["qwen3", "llama"])
 def test_build_model_is_seeded_and_sized_for_the_tokenizer(tokenizer, architecture):
-    kwargs = dict(hidden=32, layers=2, heads=4, kv_heads=2, intermediate=64, max_positions=64, architecture=architecture)
+    kwargs = dict(
+        hidden=32, layers=2, heads=4, kv_heads=2, intermediate=64, max_positions=64, architecture=architecture
+    )
     torch.manual_seed(123)
     before = torch.rand(1)
     torch.manual_seed(123)

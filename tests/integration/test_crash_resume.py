@@ -30,9 +30,13 @@ NAME = "crash"
 EVAL_STEPS = [0, 2, 3]
 
 CHAINS: dict[str, list[str]] = {
-    "rollout-teacher": [f"{p}@2" for p in CRASH_POINTS if p.startswith("stage.") and p.endswith((":rollout", ":teacher"))],
+    "rollout-teacher": [
+        f"{p}@2" for p in CRASH_POINTS if p.startswith("stage.") and p.endswith((":rollout", ":teacher"))
+    ],
     "train": [f"{p}@2" for p in CRASH_POINTS if p.endswith(":train") or p.startswith(("train.", "checkpoint."))],
-    "commit-eval-tracking": [f"{p}@2" for p in CRASH_POINTS if p.startswith(("commit.", "tracking.")) or p.endswith(":eval")],
+    "commit-eval-tracking": [
+        f"{p}@2" for p in CRASH_POINTS if p.startswith(("commit.", "tracking.")) or p.endswith(":eval")
+    ],
     "base-and-last": [
         "checkpoint.uploading:policy@0",
         "checkpoint.committed:policy@0",
@@ -58,7 +62,12 @@ def sdpo(args: Sequence[str], env: dict[str, str], *, crash_at: str | None = Non
         child_env["SDPO_CRASH_AT"] = crash_at
     return subprocess.run(
         [sys.executable, "-m", "flows.cli", *args],
-        cwd=REPO, env=child_env, capture_output=True, text=True, timeout=600, start_new_session=True,
+        cwd=REPO,
+        env=child_env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        start_new_session=True,
     )
 
 
@@ -151,7 +160,9 @@ def test_killed_runs_on_s3_resume_bit_identical(tmp_path, prefect_server, refere
 
     options = s3_server.storage_options()
     root = f"s3://{s3_server.make_bucket()}/runs"
-    config = write_config(tmp_path, NAME, root=root, base=CONFIG, storage={"storage_options": {"endpoint_url": s3_server.endpoint_url}})
+    config = write_config(
+        tmp_path, NAME, root=root, base=CONFIG, storage={"storage_options": {"endpoint_url": s3_server.endpoint_url}}
+    )
     env = run_env(
         prefect_server,
         AWS_ACCESS_KEY_ID=options["key"],
@@ -159,8 +170,12 @@ def test_killed_runs_on_s3_resume_bit_identical(tmp_path, prefect_server, refere
         AWS_DEFAULT_REGION=options["client_kwargs"]["region_name"],
     )
     # one point in each stage's write path: shards, a multi-file checkpoint, a committed checkpoint, the commit
-    chain = ["stage.files_written:teacher@2", "checkpoint.uploading:megatron@2", "checkpoint.committed:policy@2",
-             "commit.manifest_written@2"]
+    chain = [
+        "stage.files_written:teacher@2",
+        "checkpoint.uploading:megatron@2",
+        "checkpoint.committed:policy@2",
+        "commit.manifest_written@2",
+    ]
     crash_and_resume(config, env, chain)
     resumed = fingerprint(RunLayout(root, NAME, storage_options=options))
     assert differences(reference, resumed) == []
@@ -185,8 +200,9 @@ def test_a_full_disk_fails_naming_the_file_then_resumes_bit_identical(tmp_path, 
         f"cp -a {disk}/runs {tmp_path}/runs"
     )
     env = run_env(prefect_server, COLUMNS="400")  # one traceback line per message line
-    shell = subprocess.run(["unshare", "-m", "sh", "-c", script], cwd=REPO, env=env, capture_output=True, text=True,
-                           timeout=900)
+    shell = subprocess.run(
+        ["unshare", "-m", "sh", "-c", script], cwd=REPO, env=env, capture_output=True, text=True, timeout=900
+    )
     assert shell.returncode == 0, f"unshare/mount failed ({shell.returncode}): {shell.stderr}"
     # the traceback is wrapped at the console width, and torch prefixes each line with its rank
     full = "".join(line.removeprefix("[rank0]: ") for line in (tmp_path / "full.out").read_text().splitlines())

@@ -49,9 +49,7 @@ def prompts(checkpoint):
 
 
 def sample(engine, prompts, **overrides):
-    kwargs = dict(
-        n=3, temperature=1.0, top_p=1.0, max_new_tokens=6, stop_token_ids=[], top_k_logprobs=5, seed=0
-    )
+    kwargs = dict(n=3, temperature=1.0, top_p=1.0, max_new_tokens=6, stop_token_ids=[], top_k_logprobs=5, seed=0)
     kwargs.update(overrides)
     return engine.generate(prompts, **kwargs)
 

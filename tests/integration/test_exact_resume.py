@@ -94,8 +94,10 @@ def test_retention_keeps_what_it_promises_across_a_run_and_a_resume(tmp_path, pr
     assert differences(fingerprint(a), fingerprint(b)) == []
     evals = {n: read_eval(a, n)["eval/greedy_accuracy"] for n in (4, 8, 10)}
     best = max((value, n) for n, value in evals.items())[1]
-    kept = {kind: [n for n in range(11) if not is_pruned(a, n, kind) and a.store.exists(a.checkpoint_manifest(n, kind))]
-            for kind in ("policy", "teacher", "megatron")}
+    kept = {
+        kind: [n for n in range(11) if not is_pruned(a, n, kind) and a.store.exists(a.checkpoint_manifest(n, kind))]
+        for kind in ("policy", "teacher", "megatron")
+    }
     assert kept["megatron"] == [9, 10]
     assert kept["policy"] == sorted({0, 5, 9, 10, best})
     assert kept["teacher"] == sorted({5, 9, 10, best} - {0})

@@ -29,13 +29,28 @@ def test_a_fork_continues_its_parent_bit_for_bit_and_records_it(tmp_path, prefec
 
     child_yaml = tmp_path / "child.yaml"
     forked = runner.invoke(
-        app, ["fork", "parent", "--from-iteration", "2", "--name", "child", "--root", root, "--config-out", str(child_yaml)]
+        app,
+        ["fork", "parent", "--from-iteration", "2", "--name", "child", "--root", root, "--config-out", str(child_yaml)],
     )
     assert forked.exit_code == 0, forked.output
     child = RunLayout(root, "child")
     assert read_latest(child) == 2
     assert _of_iteration(fingerprint(child)["digests"], 2) == _of_iteration(fingerprint(parent)["digests"], 2)
-    again = runner.invoke(app, ["fork", "parent", "--from-iteration", "2", "--name", "child", "--root", root, "--config-out", str(tmp_path / "c2.yaml")])
+    again = runner.invoke(
+        app,
+        [
+            "fork",
+            "parent",
+            "--from-iteration",
+            "2",
+            "--name",
+            "child",
+            "--root",
+            root,
+            "--config-out",
+            str(tmp_path / "c2.yaml"),
+        ],
+    )
     assert again.exit_code == 2 and "already exists" in again.output
     status = runner.invoke(app, ["status", "child", "--root", root])
     assert "LATEST = 2 of 3" in status.output and "lock: free" in status.output

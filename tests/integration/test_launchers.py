@@ -123,8 +123,14 @@ def test_a_two_node_torchrun_on_loopback_runs_a_training_stage(tmp_path, prefect
     spec = {"launcher": "torchrun", "nproc_per_node": 1, "nnodes": 2, "rdzv_endpoint": endpoint, "master_port": None}
     env = dict(os.environ, OMP_NUM_THREADS="1")
     nodes = [
-        subprocess.Popen(stage_command("train", root, "placed", 1, {**spec, "node_rank": rank}), cwd=REPO, env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        subprocess.Popen(
+            stage_command("train", root, "placed", 1, {**spec, "node_rank": rank}),
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         for rank in (0, 1)
     ]
     outputs = [node.communicate(timeout=600)[0] for node in nodes]
@@ -152,13 +158,22 @@ def test_a_stage_on_a_prefect_work_pool_runs_on_a_real_process_worker(tmp_path, 
     env = dict(os.environ, PREFECT_API_URL=prefect_server, PREFECT_WORKER_QUERY_SECONDS="1", OMP_NUM_THREADS="1")
     worker = subprocess.Popen(
         [sys.executable, "-m", "prefect", "worker", "start", "--pool", pool, "--limit", "1"],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
     )
     try:
         single = fingerprint(_run(tmp_path, "single", ONE))
         pooled = fingerprint(
-            _run(tmp_path, "pooled", ONE,
-                 launch={"train": {"launcher": "work-pool", "deployment": f"sdpo-stage/{pool}", "timeout_s": 600}})
+            _run(
+                tmp_path,
+                "pooled",
+                ONE,
+                launch={"train": {"launcher": "work-pool", "deployment": f"sdpo-stage/{pool}", "timeout_s": 600}},
+            )
         )
     finally:
         os.killpg(worker.pid, 9)

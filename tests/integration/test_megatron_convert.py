@@ -121,9 +121,7 @@ def test_llama3_rope_scaling_matches_hf(mcore):
 def test_megatron_to_hf_round_trip_is_exact(mcore, model_type, tied):
     hf_model = tiny_hf_model(model_type, tied=tied)
     back = megatron_to_hf(megatron_from_hf(hf_model).state_dict(), hf_model.config)
-    expected = {
-        k: v for k, v in hf_model.state_dict().items() if not (tied and k == "lm_head.weight")
-    }
+    expected = {k: v for k, v in hf_model.state_dict().items() if not (tied and k == "lm_head.weight")}
     assert sorted(back) == sorted(expected)
     for name, tensor in expected.items():
         assert torch.equal(back[name], tensor), name
@@ -202,7 +200,7 @@ def test_qkv_interleave_and_split_are_inverse():
     q, k, v = torch.randn(8 * 4, 5), torch.randn(2 * 4, 5), torch.randn(2 * 4, 5)
     qkv = interleave_qkv(q, k, v, num_query_groups=2, head_dim=4)
     assert torch.equal(qkv[:24], torch.cat([q[:16], k[:4], v[:4]]))  # group 0: 4 q heads, k, v
-    for got, want in zip(split_qkv(qkv, num_heads=8, num_query_groups=2, head_dim=4), (q, k, v)):
+    for got, want in zip(split_qkv(qkv, num_heads=8, num_query_groups=2, head_dim=4), (q, k, v), strict=True):
         assert torch.equal(got, want)
 
 
@@ -280,9 +278,7 @@ def test_megatron_ddp_and_optimizer_clip_grads_on_cpu(mcore):
     model = megatron_from_hf(hf_model).train()
     ids, positions = batch(rows=2, length=13)
     inputs, labels = ids[:, :-1], ids[:, 1:]
-    hf_loss = torch.nn.functional.cross_entropy(
-        hf_model(inputs).logits.reshape(-1, VOCAB), labels.reshape(-1)
-    )
+    hf_loss = torch.nn.functional.cross_entropy(hf_model(inputs).logits.reshape(-1, VOCAB), labels.reshape(-1))
     hf_loss.backward()
     hf_norm = math.sqrt(sum(p.grad.pow(2).sum().item() for p in hf_model.parameters()))
     assert hf_norm > 1.0  # so that clip_grad=1.0 really clips
@@ -315,7 +311,7 @@ def test_dist_checkpoint_round_trip_at_tp1(mcore, tmp_path):
     fresh = build_gpt_model(hf_model.config)  # random init, different weights
     assert not torch.equal(fresh.output_layer.weight, saved.output_layer.weight)
     fresh.load_state_dict(dist_checkpointing.load(fresh.sharded_state_dict(), str(tmp_path)))
-    for (name, a), (_, b) in zip(saved.state_dict().items(), fresh.state_dict().items()):
+    for (name, a), (_, b) in zip(saved.state_dict().items(), fresh.state_dict().items(), strict=True):
         if isinstance(a, torch.Tensor):
             assert torch.equal(a, b), name
 

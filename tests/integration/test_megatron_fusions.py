@@ -232,7 +232,11 @@ def test_compiled_rms_norm_module_equals_megatrons_torch_norm():
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
     config = TransformerConfig(
-        num_layers=1, hidden_size=16, num_attention_heads=2, normalization="RMSNorm", layernorm_epsilon=1e-6,
+        num_layers=1,
+        hidden_size=16,
+        num_attention_heads=2,
+        normalization="RMSNorm",
+        layernorm_epsilon=1e-6,
         use_cpu_initialization=True,
     )
     torch_norm = WrappedTorchNorm(config=config, hidden_size=16, eps=1e-6)

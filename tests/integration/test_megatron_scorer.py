@@ -26,7 +26,9 @@ def setup(tmp_path_factory):
     for name, seed in (("teacher", 1), ("reference", 2)):
         dirs[name] = root / name
         tokenizer = build_tokenizer(dirs[name])
-        build_model(tokenizer, hidden=32, layers=2, heads=4, kv_heads=2, intermediate=64, max_positions=64, seed=seed).save_pretrained(dirs[name])
+        build_model(
+            tokenizer, hidden=32, layers=2, heads=4, kv_heads=2, intermediate=64, max_positions=64, seed=seed
+        ).save_pretrained(dirs[name])
     vocab = len(tokenizer)
     sequences, topk = synthetic_scoring_inputs(vocab, count=9, k=5, seed=0, prompt=(1, 8), response=(0, 9))
     inputs = root / "inputs.pkl"
@@ -43,7 +45,9 @@ def embedded_scores(dirs, sequences, topk, *, rate=None):
     reference = None
     if rate is not None:
         reference = AutoModelForCausalLM.from_pretrained(str(dirs["reference"]), dtype=torch.float32).eval()
-    return score_teacher(model, sequences=sequences, topk_ids=topk, batch_tokens=64, reference_model=reference, trust_region_rate=rate)
+    return score_teacher(
+        model, sequences=sequences, topk_ids=topk, batch_tokens=64, reference_model=reference, trust_region_rate=rate
+    )
 
 
 @pytest.mark.parametrize("rate", [None, 0.3])
@@ -55,7 +59,9 @@ def test_megatron_scores_equal_the_embedded_scorer(setup, rate):
     scorer = MegatronTeacherScorer.from_hf(
         dirs["teacher"], dtype=torch.float32, reference_dir=dirs["reference"] if rate is not None else None
     )
-    got = scorer.score(sequences=sequences, topk_ids=topk, batch_tokens=40, logit_chunk_tokens=7, trust_region_rate=rate)
+    got = scorer.score(
+        sequences=sequences, topk_ids=topk, batch_tokens=40, logit_chunk_tokens=7, trust_region_rate=rate
+    )
     assert len(got) == len(want)
     for g, w in zip(got, want, strict=True):
         assert g.topk_logprobs.shape == w.topk_logprobs.shape and g.topk_logprobs.dtype == np.float32
@@ -67,8 +73,17 @@ def test_tensor_parallel_scores_equal_the_embedded_scorer(setup):
     root, dirs, sequences, topk, inputs = setup
     out = root / "tp2.pkl"
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-        str(REPO / "tests/integration/_scripts/scorer_worker.py"), str(dirs["teacher"]), str(inputs), str(out), "2", "float32",
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        str(REPO / "tests/integration/_scripts/scorer_worker.py"),
+        str(dirs["teacher"]),
+        str(inputs),
+        str(out),
+        "2",
+        "float32",
     ]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
@@ -87,5 +102,3 @@ def test_mismatched_reference_arguments_are_refused(setup):
     scorer = MegatronTeacherScorer.from_hf(dirs["teacher"], dtype=torch.float32)
     with pytest.raises(ValueError, match="reference"):
         scorer.score(sequences=sequences, topk_ids=topk, batch_tokens=40, trust_region_rate=0.5)
-
-

@@ -69,14 +69,33 @@ def test_mlflow_ui_compares_an_sdpo_run_with_its_grpo_baseline(tmp_path, prefect
 
     port = _free_port()
     ui = subprocess.Popen(
-        [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", store, "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
+        [
+            sys.executable,
+            "-m",
+            "mlflow",
+            "ui",
+            "--backend-store-uri",
+            store,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--workers",
+            "1",
+        ],
         stdout=(tmp_path / "mlflow-ui.log").open("wb"),
         stderr=subprocess.STDOUT,
         start_new_session=True,
     )
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
-    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu", "--window-size=1600,1100"):
+    for flag in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-dev-shm-usage",
+        "--disable-gpu",
+        "--window-size=1600,1100",
+    ):
         options.add_argument(flag)
     driver = None
     try:
@@ -93,11 +112,19 @@ def test_mlflow_ui_compares_an_sdpo_run_with_its_grpo_baseline(tmp_path, prefect
         _keep(driver, tmp_path, "mlflow-compare.png")
 
         keys = quote(json.dumps([METRIC]))
-        driver.get(f"{base}/#/metric?runs={ids}&metric={quote(json.dumps(METRIC))}&experiments={json.dumps([experiment])}&plot_metric_keys={keys}")
+        driver.get(
+            f"{base}/#/metric?runs={ids}&metric={quote(json.dumps(METRIC))}&experiments={json.dumps([experiment])}&plot_metric_keys={keys}"
+        )
         legend = f"({METRIC})"
-        _wait(driver, lambda d: f"ui-sdpo {legend}" in body(d) and f"ui-grpo {legend}" in body(d), "both runs in the plot's legend")
+        _wait(
+            driver,
+            lambda d: f"ui-sdpo {legend}" in body(d) and f"ui-grpo {legend}" in body(d),
+            "both runs in the plot's legend",
+        )
         drawn = lambda d: [  # noqa: E731  the lines plotly drew: a path through at least two points
-            p.get_attribute("d") for p in d.find_elements("css selector", ".scatterlayer .trace path.js-line") if "L" in (p.get_attribute("d") or "")
+            p.get_attribute("d")
+            for p in d.find_elements("css selector", ".scatterlayer .trace path.js-line")
+            if "L" in (p.get_attribute("d") or "")
         ]
         _wait(driver, lambda d: len(drawn(d)) >= 2, "a line per run (before -> after)")
         _keep(driver, tmp_path, "mlflow-compare-metric.png")

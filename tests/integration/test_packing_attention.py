@@ -31,8 +31,14 @@ def models(hf_config):
 
 def random_samples(seed: int, count: int) -> tuple[list[list[int]], list[list[int]]]:
     gen = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(0, VOCAB, (int(torch.randint(1, 9, (1,), generator=gen)),), generator=gen).tolist() for _ in range(count)]
-    responses = [torch.randint(0, VOCAB, (int(torch.randint(0, 7, (1,), generator=gen)),), generator=gen).tolist() for _ in range(count)]
+    prompts = [
+        torch.randint(0, VOCAB, (int(torch.randint(1, 9, (1,), generator=gen)),), generator=gen).tolist()
+        for _ in range(count)
+    ]
+    responses = [
+        torch.randint(0, VOCAB, (int(torch.randint(0, 7, (1,), generator=gen)),), generator=gen).tolist()
+        for _ in range(count)
+    ]
     return prompts, responses
 
 
@@ -166,7 +172,11 @@ def train_in_process(hf, columns, train: dict) -> tuple[dict, dict]:
     )
     trainer = MegatronTrainer(cfg, hf)
     metrics = trainer.train_iteration(columns, iteration=1)
-    return metrics, {k: v.detach().clone() for k, v in trainer.model.module.state_dict().items() if v is not None and k.endswith("weight")}
+    return metrics, {
+        k: v.detach().clone()
+        for k, v in trainer.model.module.state_dict().items()
+        if v is not None and k.endswith("weight")
+    }
 
 
 def test_packed_sdpa_chunked_recomputed_step_equals_the_default_step(trainer_setup):
@@ -194,8 +204,15 @@ def test_tensor_parallel_vocab_parallel_chunked_loss_equals_one_process(trainer_
     out.mkdir()
     overrides = {"train": {**GPU_PATH, "tensor_parallel": 2}}
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-        str(repo / "tests/integration/_scripts/train_variant_worker.py"), str(hf), str(columns_path), str(out),
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        str(repo / "tests/integration/_scripts/train_variant_worker.py"),
+        str(hf),
+        str(columns_path),
+        str(out),
         json.dumps(overrides),
     ]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(repo))

@@ -67,7 +67,9 @@ def test_two_iterations_commit_shards_checkpoints_and_metrics(tmp_path, prefect_
     import mlflow
 
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
-    models = {m.name for m in mlflow.search_logged_models(experiment_ids=[runs[0].info.experiment_id], output_format="list")}
+    models = {
+        m.name for m in mlflow.search_logged_models(experiment_ids=[runs[0].info.experiment_id], output_format="list")
+    }
     assert "policy" in models
     (version,) = client.search_model_versions("name='tiny-policy'")
     loaded = mlflow.transformers.load_model(f"models:/tiny-policy/{version.version}", return_type="components")
@@ -128,7 +130,9 @@ def test_sigkill_after_rollout_then_restart_reuses_the_rollout_shards(tmp_path, 
     layout = RunLayout(str(tmp_path / "runs"), "killed")
     env = dict(os.environ, PREFECT_API_URL=prefect_server, PYTHONUNBUFFERED="1")
     cmd = [sys.executable, "-m", "flows.cli", "run", str(config)]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+    )
     deadline = time.monotonic() + 240
     try:
         while not stage_done(layout, 2, "rollout"):
@@ -168,7 +172,9 @@ def test_a_run_on_s3_keeps_everything_in_the_bucket_and_credentials_out_of_it(
     monkeypatch.setenv("AWS_DEFAULT_REGION", full["client_kwargs"]["region_name"])
     bucket = s3_server.make_bucket()
     root = f"s3://{bucket}/runs"
-    config = write_config(tmp_path, "ons3", root=root, storage={"storage_options": {"endpoint_url": s3_server.endpoint_url}})
+    config = write_config(
+        tmp_path, "ons3", root=root, storage={"storage_options": {"endpoint_url": s3_server.endpoint_url}}
+    )
     sdpo_run(str(config), ["iterations=1"])
 
     layout = RunLayout(root, "ons3", storage_options=s3_server.storage_options())

@@ -54,7 +54,9 @@ class Prefect:
 
     def start(self, args: list[str], log: Path) -> subprocess.Popen:
         out = log.open("ab")
-        proc = subprocess.Popen([*PREFECT, *args], cwd=REPO, env=self.env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            [*PREFECT, *args], cwd=REPO, env=self.env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
         self.processes.append(proc)
         return proc
 
@@ -110,7 +112,9 @@ def run_id_of(output: str) -> str:
     return match.group(1)
 
 
-def test_scheduled_deployment_recovers_from_a_killed_worker_and_stops_when_done(tmp_path: Path, prefect: Prefect) -> None:
+def test_scheduled_deployment_recovers_from_a_killed_worker_and_stops_when_done(
+    tmp_path: Path, prefect: Prefect
+) -> None:
     from mlflow.tracking import MlflowClient
     from prefect.client.schemas.schedules import IntervalSchedule
 
@@ -192,7 +196,9 @@ def test_scheduled_deployment_recovers_from_a_killed_worker_and_stops_when_done(
     # Prefect: artifacts of every iteration and of the run, the status line in the flow run's logs
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey, LogFilter, LogFilterFlowRunId
 
-    artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["sdpo-sched-iteration"])))
+    artifacts = client.read_artifacts(
+        artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["sdpo-sched-iteration"]))
+    )
     assert {a.description.split(":")[0] for a in artifacts} == {f"sched iteration {n}" for n in (1, 2, 3)}
     assert any("Teacher signal on" in a.data and "mlflow" in a.data.lower() for a in artifacts)
     samples = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["sdpo-sched-samples"])))

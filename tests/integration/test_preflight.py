@@ -21,8 +21,13 @@ runner = CliRunner()
 
 
 def row(pid: str, text: str, **changes) -> dict:
-    base = {"prompt_id": pid, "prompt_messages": [{"role": "user", "content": text}], "label": "3",
-            "data_source": "arithmetic", "metadata": {}}
+    base = {
+        "prompt_id": pid,
+        "prompt_messages": [{"role": "user", "content": text}],
+        "label": "3",
+        "data_source": "arithmetic",
+        "metadata": {},
+    }
     return {**base, **changes}
 
 
@@ -55,15 +60,23 @@ def assert_nothing_written(workdir: Path, *, allowed: set[str]) -> None:
 
 GOOD = [row("p1", "1+2"), row("p2", "2+2", label="4")]
 BAD_DATA = {
-    "a row without label": ([row("p1", "1+2"), {k: v for k, v in row("p2", "2+2").items() if k != "label"}],
-                            r"data\.jsonl:2: missing required field 'label'"),
-    "prompt_messages as a string": ([row("p1", "1+2", prompt_messages="What is 1+2?")],
-                                    r"data\.jsonl:1: field 'prompt_messages' must be a non-empty list"),
+    "a row without label": (
+        [row("p1", "1+2"), {k: v for k, v in row("p2", "2+2").items() if k != "label"}],
+        r"data\.jsonl:2: missing required field 'label'",
+    ),
+    "prompt_messages as a string": (
+        [row("p1", "1+2", prompt_messages="What is 1+2?")],
+        r"data\.jsonl:1: field 'prompt_messages' must be a non-empty list",
+    ),
     "a label that is a number": ([row("p1", "1+2", label=3)], r"data\.jsonl:1: field 'label' must be text"),
-    "a message without content": ([row("p1", "1+2", prompt_messages=[{"role": "user"}])],
-                                  r"data\.jsonl:1: prompt_messages\[0\] must be an object with text"),
-    "a duplicate prompt_id": ([row("p1", "1+2"), row("p1", "2+2")],
-                              r"data\.jsonl:2: duplicate prompt_id 'p1' \(first at data\.jsonl:1\)"),
+    "a message without content": (
+        [row("p1", "1+2", prompt_messages=[{"role": "user"}])],
+        r"data\.jsonl:1: prompt_messages\[0\] must be an object with text",
+    ),
+    "a duplicate prompt_id": (
+        [row("p1", "1+2"), row("p1", "2+2")],
+        r"data\.jsonl:2: duplicate prompt_id 'p1' \(first at data\.jsonl:1\)",
+    ),
     "a duplicate prompt": ([row("p1", "1+2"), row("p2", "1+2")], r"data\.jsonl:2: the same prompt as data\.jsonl:1"),
     "a row that is not an object": ([row("p1", "1+2"), ["p2"]], r"data\.jsonl:2: a row must be a JSON object"),
     "an empty file": ([], r"data\.jsonl: the data file holds no rows"),
@@ -80,15 +93,19 @@ def test_bad_prepared_data_fails_before_the_run_with_file_and_line(workdir, case
     assert_nothing_written(workdir, allowed={"data.jsonl"})
 
 
-@pytest.mark.parametrize(("eval_rows", "message"), [
-    ([row("p1", "9+9")], r"eval\.jsonl:1: prompt_id 'p1' is also in the training data \(data\.jsonl:1\)"),
-    ([row("e1", "2+2", label="4")], r"eval\.jsonl:1: the same prompt is in the training data \(data\.jsonl:2\)"),
-])
+@pytest.mark.parametrize(
+    ("eval_rows", "message"),
+    [
+        ([row("p1", "9+9")], r"eval\.jsonl:1: prompt_id 'p1' is also in the training data \(data\.jsonl:1\)"),
+        ([row("e1", "2+2", label="4")], r"eval\.jsonl:1: the same prompt is in the training data \(data\.jsonl:2\)"),
+    ],
+)
 def test_an_eval_file_overlapping_training_fails(workdir, eval_rows, message):
     write_rows(workdir / "data.jsonl", GOOD)
     write_rows(workdir / "eval.jsonl", eval_rows)
-    result = run_cli("run", DEMO, "data.source=prepared", "data.path=data.jsonl", "data.eval_path=eval.jsonl",
-                     "storage.root=runs")
+    result = run_cli(
+        "run", DEMO, "data.source=prepared", "data.path=data.jsonl", "data.eval_path=eval.jsonl", "storage.root=runs"
+    )
     assert result.exit_code == 2 and re.search(message, result.output), result.output
     assert_nothing_written(workdir, allowed={"data.jsonl", "eval.jsonl"})
 
@@ -128,7 +145,9 @@ def test_a_credential_reaches_no_output_no_file_and_no_prefect(workdir, command,
     args = [command, DEMO, "storage.root=runs", f"storage.storage_options.secret={SECRET}"]
     if where == "yaml":
         config = workdir / "with_secret.yaml"
-        config.write_text(Path(DEMO).read_text() + f"\nstorage:\n  root: runs\n  storage_options:\n    token: {SECRET}\n")
+        config.write_text(
+            Path(DEMO).read_text() + f"\nstorage:\n  root: runs\n  storage_options:\n    token: {SECRET}\n"
+        )
         args = [command, str(config)]
     result = run_cli(*args)
     assert result.exit_code == 2 and "looks like a credential" in result.output

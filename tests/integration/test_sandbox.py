@@ -25,9 +25,12 @@ needs_namespaces = pytest.mark.skipif(not NAMESPACES, reason="namespace isolatio
 # tests that expect a time-out use `short(limits)`.
 FAST = dict(per_test_s=3.0, total_s=8.0, memory_mb=512, file_mb=2)
 LEVELS = {
-    "namespace+guard": pytest.param(SandboxLimits(isolation="namespace", **FAST), marks=needs_namespaces, id="namespace+guard"),
-    "namespace-only": pytest.param(SandboxLimits(isolation="namespace", python_guard=False, **FAST), marks=needs_namespaces,
-                                   id="namespace-only"),
+    "namespace+guard": pytest.param(
+        SandboxLimits(isolation="namespace", **FAST), marks=needs_namespaces, id="namespace+guard"
+    ),
+    "namespace-only": pytest.param(
+        SandboxLimits(isolation="namespace", python_guard=False, **FAST), marks=needs_namespaces, id="namespace-only"
+    ),
     "process": pytest.param(SandboxLimits(isolation="process", **FAST), id="process"),
 }
 ALL = list(LEVELS.values())
@@ -86,7 +89,9 @@ def test_stdin_programs_in_common_styles_produce_their_output(limits):
 
 @pytest.mark.parametrize("limits", ALL)
 def test_functional_tests_call_the_solution_method(limits):
-    suite = TestSuite(testtype="functional", inputs=["[1, 1, 1]\n2", "[5]\n5"], outputs=["3", "0"], fn_name="countPairs")
+    suite = TestSuite(
+        testtype="functional", inputs=["[1, 1, 1]\n2", "[5]\n5"], outputs=["3", "0"], fn_name="countPairs"
+    )
     program = (  # no typing import: LeetCode's environment provides List, as the harness does
         "class Solution:\n    def countPairs(self, nums: List[int], target: int) -> int:\n"
         "        print('debug', len(nums))\n"
@@ -99,8 +104,11 @@ def test_functional_tests_call_the_solution_method(limits):
 
 @pytest.mark.parametrize("limits", ALL)
 def test_assert_tests_run_after_the_setup(limits):
-    suite = TestSuite(testtype="assert", inputs=["check(add)", "assert add(1, 1) == 3"],
-                      setup="def check(candidate):\n    assert candidate(2, 3) == 5\n")
+    suite = TestSuite(
+        testtype="assert",
+        inputs=["check(add)", "assert add(1, 1) == 3"],
+        setup="def check(candidate):\n    assert candidate(2, 3) == 5\n",
+    )
     executions = run_program("def add(a, b):\n    return a + b\n", suite, limits=limits)
     assert [e.status for e in executions] == ["ok", "failed"]
     assert executions[1].error.startswith("AssertionError")
@@ -131,8 +139,12 @@ def test_reading_the_repository_fails(limits):
 def test_reading_a_file_outside_the_working_directory_fails(limits, tmp_path):
     secret = tmp_path / "secret.txt"
     secret.write_text(CANARY)
-    for program in (f"print(open({str(secret)!r}).read())", f"import os\nprint(os.listdir({str(tmp_path)!r}))",
-                    "print(open('/etc/passwd').read())", "import os\nos.chdir('..')\nprint(open('../../etc/hostname').read())"):
+    for program in (
+        f"print(open({str(secret)!r}).read())",
+        f"import os\nprint(os.listdir({str(tmp_path)!r}))",
+        "print(open('/etc/passwd').read())",
+        "import os\nos.chdir('..')\nprint(open('../../etc/hostname').read())",
+    ):
         execution = one(program, limits)
         assert execution.status == "error", program
         assert CANARY not in execution.output and "secret" not in execution.output
@@ -146,8 +158,21 @@ def test_the_namespace_root_holds_no_repository_home_or_tmp(limits):
         assert execution.status == "error" and "not allowed" in execution.error
         return
     listing, where = execution.output.splitlines()
-    assert set(json.loads(listing.replace("'", '"'))) <= {"bin", "dev", "harness.py", "job.json", "lib", "lib64", "root", "sandbox_codec.py", "sandbox_guard.py", "sandbox_runner.py",
-                                                          "sandbox", "sbin", "usr"}
+    assert set(json.loads(listing.replace("'", '"'))) <= {
+        "bin",
+        "dev",
+        "harness.py",
+        "job.json",
+        "lib",
+        "lib64",
+        "root",
+        "sandbox_codec.py",
+        "sandbox_guard.py",
+        "sandbox_runner.py",
+        "sandbox",
+        "sbin",
+        "usr",
+    }
     cwd, uid = where.split()
     assert cwd == "/sandbox" and _UID_RANGE[0] <= int(uid) < _UID_RANGE[1]
 
@@ -266,8 +291,10 @@ def test_a_huge_return_value_exceeds_the_output_limit(limits):
 
 @pytest.mark.parametrize("limits", ALL)
 def test_killing_the_parent_is_contained(limits):
-    for program in ("import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\nprint('ok')",
-                    "import os, signal\nos.killpg(os.getpgid(0), signal.SIGKILL)\nprint('ok')"):
+    for program in (
+        "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\nprint('ok')",
+        "import os, signal\nos.killpg(os.getpgid(0), signal.SIGKILL)\nprint('ok')",
+    ):
         execution = one(program, limits)
         assert execution.status in ("error", "ok"), program
     # this test process is still here to check the verdicts; the sandbox reported instead of hanging

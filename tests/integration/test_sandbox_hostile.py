@@ -19,10 +19,13 @@ from tests.integration.test_sandbox import ALL, FAST, LEVELS, NAMESPACE_LEVELS, 
 
 # -- reward hacks: each must score 0 on a test suite it does not solve -----------------------------
 # HumanEval-style: `check(candidate)` in the setup, the entry point called by the test
-HUMANEVAL = suite_to_label(TestSuite(
-    testtype="assert", inputs=["check(add)"],
-    setup="def check(candidate):\n    assert candidate(2, 3) == 5\n    assert abs(candidate(0.5, 0.25) - 0.75) < 1e-9\n",
-))
+HUMANEVAL = suite_to_label(
+    TestSuite(
+        testtype="assert",
+        inputs=["check(add)"],
+        setup="def check(candidate):\n    assert candidate(2, 3) == 5\n    assert abs(candidate(0.5, 0.25) - 0.75) < 1e-9\n",
+    )
+)
 # MBPP-style: one assert per test
 MBPP = suite_to_label(TestSuite(testtype="assert", inputs=["assert add(2, 3) == 5", "assert add(1, 1) == 2"]))
 STDIN = suite_to_label(TestSuite(testtype="stdin", inputs=["2 3\n"], outputs=["5\n"]))
@@ -83,22 +86,22 @@ REWARD_HACKS = {
     "os._exit(0) in the function": "def add(a, b):\n    import os\n    os._exit(0)\n",
     "always-equal object": ALWAYS_EQUAL + "def add(a, b):\n    return Anything()\n",
     "always-equal int subclass": "class I(int):\n    def __eq__(self, o):\n        return True\n    def __sub__(self, o):\n"
-                                 "        return 0\n    __hash__ = int.__hash__\ndef add(a, b):\n    return I(0)\n",
+    "        return 0\n    __hash__ = int.__hash__\ndef add(a, b):\n    return I(0)\n",
     "always-equal float subclass": "class F(float):\n    def __eq__(self, o):\n        return True\n"
-                                   "    def __sub__(self, o):\n        return 0.0\ndef add(a, b):\n    return F(0)\n",
+    "    def __sub__(self, o):\n        return 0.0\ndef add(a, b):\n    return F(0)\n",
     "forged result lines on the report pipe": WRONG + FORGE,
     "forged result lines at exit": WRONG + "import atexit\natexit.register(lambda: exec(" + repr(FORGE) + "))\n",
     "atexit os._exit(0)": WRONG + "import atexit, os\natexit.register(os._exit, 0)\n",
     "monkeypatching builtins the test uses": WRONG + "import builtins\nbuiltins.abs = lambda x: 0\n"
-                                             "builtins.AssertionError = type('Nope', (Exception,), {})\n",
+    "builtins.AssertionError = type('Nope', (Exception,), {})\n",
     "monkeypatching the test module": WRONG + "import sys\nm = sys.modules['__main__']\n"
-                                      "m.__dict__['check'] = lambda c: None\nglobals()['check'] = lambda c: None\n"
-                                      "def check(candidate):\n    return None\n",
+    "m.__dict__['check'] = lambda c: None\nglobals()['check'] = lambda c: None\n"
+    "def check(candidate):\n    return None\n",
     "replacing the test function by name": "def check(candidate):\n    return None\n" + WRONG,
     "reading the tests from disk": READ_TESTS,
     "reading the tests from memory": SCAN_MEMORY,
-    "printing the expected output format": WRONG + "print('{\"event\": \"result\", \"index\": 0, \"status\": \"ok\"}')\n"
-                                           "print('All tests passed')\nimport sys\nprint('ok', file=sys.stderr)\n",
+    "printing the expected output format": WRONG + 'print(\'{"event": "result", "index": 0, "status": "ok"}\')\n'
+    "print('All tests passed')\nimport sys\nprint('ok', file=sys.stderr)\n",
     "killing the judge": "def add(a, b):\n    import os, signal\n    os.kill(os.getppid(), signal.SIGKILL)\n",
     "killing every process": "def add(a, b):\n    import os, signal\n    os.kill(-1, signal.SIGKILL)\n",
     "raising the test's own AssertionError type": "def add(a, b):\n    raise AssertionError('passed')\n",
@@ -140,8 +143,16 @@ def test_an_always_equal_object_is_named_in_the_feedback(limits):
 
 @pytest.mark.parametrize("limits", ALL)
 @pytest.mark.parametrize("label", [STDIN, FUNCTIONAL], ids=["stdin", "functional"])
-@pytest.mark.parametrize("hack", ["printing the expected output format", "always-equal object", "killing the judge",
-                                  "sys.exit(0) in the function", "os._exit(0) at import"])
+@pytest.mark.parametrize(
+    "hack",
+    [
+        "printing the expected output format",
+        "always-equal object",
+        "killing the judge",
+        "sys.exit(0) in the function",
+        "os._exit(0) at import",
+    ],
+)
 def test_output_compared_tests_resist_the_same_hacks(hack, label, limits):
     program = REWARD_HACKS[hack] + ("import sys\nprint(-1)\n" if label == STDIN else "")
     assert score(program, label, limits).reward == 0.0
@@ -167,9 +178,12 @@ def assert_not_created(path: Path) -> None:
 @pytest.mark.parametrize("limits", ALL)
 def test_no_fifo_or_device_node_outside_the_working_directory(limits, tmp_path):
     os.chmod(tmp_path, 0o777)  # even where the sandbox's uid may write
-    for call in (f"os.mkfifo({str(tmp_path / 'fifo')!r})", f"os.mknod({str(tmp_path / 'node')!r}, 0o600 | 0o010000)",
-                 f"os.mknod({str(tmp_path / 'char')!r}, 0o666 | 0o020000, os.makedev(1, 3))",
-                 "os.mknod('/dev/shm/sdpo-char', 0o666 | 0o020000, os.makedev(1, 3))"):
+    for call in (
+        f"os.mkfifo({str(tmp_path / 'fifo')!r})",
+        f"os.mknod({str(tmp_path / 'node')!r}, 0o600 | 0o010000)",
+        f"os.mknod({str(tmp_path / 'char')!r}, 0o666 | 0o020000, os.makedev(1, 3))",
+        "os.mknod('/dev/shm/sdpo-char', 0o666 | 0o020000, os.makedev(1, 3))",
+    ):
         execution = one(f"import os\n{call}\nprint('ok')", limits)
         assert execution.status == "error", (call, execution)
     for name in ("fifo", "node", "char"):
@@ -179,9 +193,11 @@ def test_no_fifo_or_device_node_outside_the_working_directory(limits, tmp_path):
 
 @pytest.mark.parametrize("limits", ALL)
 def test_no_shared_memory_segment(limits):
-    for program in ("import _posixshmem\n_posixshmem.shm_open('/sdpo-shm', os.O_CREAT | os.O_RDWR, 0o600)",
-                    "from multiprocessing import shared_memory\nshared_memory.SharedMemory('sdpo-shm', create=True, size=4096)",
-                    "open('/dev/shm/sdpo-shm', 'w').write('x')"):
+    for program in (
+        "import _posixshmem\n_posixshmem.shm_open('/sdpo-shm', os.O_CREAT | os.O_RDWR, 0o600)",
+        "from multiprocessing import shared_memory\nshared_memory.SharedMemory('sdpo-shm', create=True, size=4096)",
+        "open('/dev/shm/sdpo-shm', 'w').write('x')",
+    ):
         execution = one("import os\n" + program + "\nprint('ok')", limits)
         assert execution.status == "error", (program, execution)
     assert_not_created(Path("/dev/shm/sdpo-shm"))
@@ -206,10 +222,12 @@ def test_no_dir_fd_relative_write_outside_the_working_directory(limits, tmp_path
 def test_signals_and_limits_on_the_test_process_are_refused(limits):
     me = os.getpid()
     nofile, priority = resource.getrlimit(resource.RLIMIT_NOFILE), os.getpriority(os.PRIO_PROCESS, me)
-    for call in (f"signal.pidfd_send_signal(os.pidfd_open({me}), signal.SIGKILL)",
-                 f"resource.prlimit({me}, resource.RLIMIT_NOFILE, (10, 10))",
-                 f"os.setpriority(os.PRIO_PROCESS, {me}, 19)",
-                 f"os.kill({me}, signal.SIGKILL)"):
+    for call in (
+        f"signal.pidfd_send_signal(os.pidfd_open({me}), signal.SIGKILL)",
+        f"resource.prlimit({me}, resource.RLIMIT_NOFILE, (10, 10))",
+        f"os.setpriority(os.PRIO_PROCESS, {me}, 19)",
+        f"os.kill({me}, signal.SIGKILL)",
+    ):
         execution = one(f"import os, resource, signal\n{call}\nprint('ok')", limits)
         assert execution.status == "error", (call, execution)
     assert resource.getrlimit(resource.RLIMIT_NOFILE) == nofile
@@ -257,8 +275,9 @@ def test_output_just_under_the_limit_is_read_whole_and_fast(limits):
 def test_forked_processes_share_one_memory_limit(limits):
     """8 children holding 100 MiB each under memory_mb=256: at most two survive (the others are
     killed when the sandbox runs out of memory); under 1536 MiB all eight do."""
-    limits = SandboxLimits(**{**limits.__dict__, "memory_mb": 256, "nproc": 16, "python_guard": False,
-                              "per_test_s": 8.0, "total_s": 12.0})
+    limits = SandboxLimits(
+        **{**limits.__dict__, "memory_mb": 256, "nproc": 16, "python_guard": False, "per_test_s": 8.0, "total_s": 12.0}
+    )
     program = (
         "import os, time\npids = []\nfor _ in range(8):\n    pid = os.fork()\n    if pid == 0:\n"
         "        block = bytearray(100 * 2**20)\n        for i in range(0, len(block), 4096):\n            block[i] = 1\n"
@@ -277,8 +296,9 @@ def test_the_process_level_is_refused_unless_named(monkeypatch):
 
     monkeypatch.setattr(sandbox, "namespace_isolation_available", lambda: False)
     with pytest.raises(RuntimeError, match="verifier.kwargs.isolation=process"):
-        run_program("print('ok')", TestSuite(testtype="stdin", inputs=["\n"], outputs=["ok"]),
-                    limits=SandboxLimits(**FAST))
+        run_program(
+            "print('ok')", TestSuite(testtype="stdin", inputs=["\n"], outputs=["ok"]), limits=SandboxLimits(**FAST)
+        )
     assert one("print('ok')", LEVELS["process"].values[0]).status == "ok"
 
 

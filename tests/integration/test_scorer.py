@@ -59,7 +59,9 @@ def test_scores_match_a_full_forward(model, cases):
         assert topk_lp.shape == (len(response), K) and topk_lp.dtype == np.float32
         assert sampled_lp.shape == (len(response),) and sampled_lp.dtype == np.float32
         np.testing.assert_allclose(topk_lp, full.gather(-1, torch.as_tensor(ids, dtype=torch.long)).numpy(), atol=1e-5)
-        np.testing.assert_allclose(sampled_lp, full.gather(-1, torch.tensor(response)[:, None])[:, 0].numpy(), atol=1e-5)
+        np.testing.assert_allclose(
+            sampled_lp, full.gather(-1, torch.tensor(response)[:, None])[:, 0].numpy(), atol=1e-5
+        )
 
 
 @pytest.mark.parametrize("batch_tokens, chunk", [(1, 1), (60, 3), (150, 2), (100_000, 1024)])
@@ -78,8 +80,14 @@ def test_student_scores_match_the_engine(tmp_path, tokenizer, model):
     engine = EmbeddedEngine(str(tmp_path), max_batch_size=8)
     prompts = [prompt_ids(tokenizer, [{"role": "user", "content": c}]) for c in ["5+5=", "123+4=", "0+0="]]
     out = engine.generate(
-        prompts, n=3, temperature=1.0, top_p=1.0, max_new_tokens=6, stop_token_ids=[tokenizer.eos_token_id],
-        top_k_logprobs=K, seed=0,
+        prompts,
+        n=3,
+        temperature=1.0,
+        top_p=1.0,
+        max_new_tokens=6,
+        stop_token_ids=[tokenizer.eos_token_id],
+        top_k_logprobs=K,
+        seed=0,
     )
     gens = [(p, g) for p, group in zip(prompts, out, strict=True) for g in group]
     scored = score_teacher(
@@ -101,17 +109,25 @@ def test_trust_region_mixes_logits_of_reference_and_model(tokenizer, model, case
         with torch.no_grad():
             z = model(input_ids=torch.tensor([prompt + response])).logits[0]
             z_ref = reference(input_ids=torch.tensor([prompt + response])).logits[0]
-        mixed = torch.log_softmax((1 - tau) * z_ref + tau * z, dim=-1)[len(prompt) - 1 : len(prompt) - 1 + len(response)]
+        mixed = torch.log_softmax((1 - tau) * z_ref + tau * z, dim=-1)[
+            len(prompt) - 1 : len(prompt) - 1 + len(response)
+        ]
         np.testing.assert_allclose(topk_lp, mixed.gather(-1, torch.as_tensor(ids, dtype=torch.long)).numpy(), atol=1e-5)
-        np.testing.assert_allclose(sampled_lp, mixed.gather(-1, torch.tensor(response)[:, None])[:, 0].numpy(), atol=1e-5)
+        np.testing.assert_allclose(
+            sampled_lp, mixed.gather(-1, torch.tensor(response)[:, None])[:, 0].numpy(), atol=1e-5
+        )
 
 
 def test_trust_region_at_rate_one_is_the_model(tokenizer, model, cases):
     sequences, topk = cases
     plain = score_teacher(model, sequences=sequences, topk_ids=topk, batch_tokens=500)
     mixed = score_teacher(
-        model, sequences=sequences, topk_ids=topk, batch_tokens=500,
-        reference_model=tiny_model(tokenizer, seed=2), trust_region_rate=1.0,
+        model,
+        sequences=sequences,
+        topk_ids=topk,
+        batch_tokens=500,
+        reference_model=tiny_model(tokenizer, seed=2),
+        trust_region_rate=1.0,
     )
     for a, b in zip(plain, mixed, strict=True):
         np.testing.assert_allclose(a.topk_logprobs, b.topk_logprobs, atol=1e-6)

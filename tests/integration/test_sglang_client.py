@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 import torch
 
-from tasks.data.bootstrap_model import build_model, build_tokenizer, prompt_ids
 from tasks.config import SGLangConfig
+from tasks.data.bootstrap_model import build_model, build_tokenizer, prompt_ids
 from tasks.engines.base import RolloutEngine
 from tasks.engines.embedded import EmbeddedEngine
 from tasks.engines.sglang.client import SGLangEngine
@@ -105,7 +105,10 @@ def make_engine(ckpt_a, server):
 
     def make(urls=None, checkpoint=None, *, timeout=10.0, health=5.0, retries=3, **kwargs):
         config = SGLangConfig(
-            urls=urls or [server.url], request_timeout_s=timeout, health_timeout_s=health, retries=retries,
+            urls=urls or [server.url],
+            request_timeout_s=timeout,
+            health_timeout_s=health,
+            retries=retries,
             max_concurrency=8,
         )
         engine = SGLangEngine(config, str(checkpoint or ckpt_a[0]), backoff_s=0.01, max_backoff_s=0.05, **kwargs)
@@ -176,9 +179,13 @@ def test_greedy_rows_and_stop_tokens_equal_the_embedded_engine(make_engine, refe
 def test_stop_token_drawn_as_the_last_allowed_token_is_reported_as_stop(make_engine, reference, prompts, server):
     vocab = reference.model.config.vocab_size
     everything = dict(max_new_tokens=1, stop_token_ids=list(range(vocab)))
-    answer = httpx.post(f"{server.url}/generate", json={
-        "input_ids": prompts[0], "sampling_params": {"max_new_tokens": 1, "stop_token_ids": list(range(vocab))},
-    }).json()
+    answer = httpx.post(
+        f"{server.url}/generate",
+        json={
+            "input_ids": prompts[0],
+            "sampling_params": {"max_new_tokens": 1, "stop_token_ids": list(range(vocab))},
+        },
+    ).json()
     assert answer["meta_info"]["finish_reason"] == {"type": "length", "length": 1}  # SGLang checks length first
     got = sample(make_engine(), prompts, **everything)
     assert all(g.finish_reason == "stop" for grp in got for g in grp)
@@ -299,8 +306,9 @@ def test_a_server_that_becomes_healthy_is_waited_for(make_engine, server):
 def test_a_4xx_answer_carries_the_server_message_and_is_not_retried(make_engine, server):
     engine = make_engine()
     with pytest.raises(SGLangRequestError, match="context length of 64") as info:
-        engine.generate([[5] * 60], n=1, temperature=0.0, top_p=1.0, max_new_tokens=8, stop_token_ids=[],
-                        top_k_logprobs=2, seed=0)
+        engine.generate(
+            [[5] * 60], n=1, temperature=0.0, top_p=1.0, max_new_tokens=8, stop_token_ids=[], top_k_logprobs=2, seed=0
+        )
     assert info.value.status == 400
     assert generate_calls(server) == 1
 
@@ -393,10 +401,16 @@ def test_a_closed_engine_refuses_work(make_engine, prompts):
 
 
 def test_server_answers_in_sglang_shapes(server, prompts, ckpt_a):
-    single = httpx.post(f"{server.url}/generate", json={
-        "text": "3+4=", "sampling_params": {"max_new_tokens": 3, "temperature": 0},
-        "return_logprob": True, "top_logprobs_num": 2, "logprob_start_len": 0,
-    }).json()
+    single = httpx.post(
+        f"{server.url}/generate",
+        json={
+            "text": "3+4=",
+            "sampling_params": {"max_new_tokens": 3, "temperature": 0},
+            "return_logprob": True,
+            "top_logprobs_num": 2,
+            "logprob_start_len": 0,
+        },
+    ).json()
     meta = single["meta_info"]
     assert set(single) == {"text", "output_ids", "meta_info"}
     assert {"id", "finish_reason", "prompt_tokens", "weight_version", "completion_tokens", "cached_tokens"} <= set(meta)
@@ -407,9 +421,13 @@ def test_server_answers_in_sglang_shapes(server, prompts, ckpt_a):
     assert len(meta["input_token_logprobs"]) == meta["prompt_tokens"] and meta["input_token_logprobs"][0][0] is None
     assert meta["input_top_logprobs"][0] is None
 
-    batch = httpx.post(f"{server.url}/generate", json={
-        "input_ids": prompts[:2], "sampling_params": [{"max_new_tokens": 2, "temperature": 0, "n": 2}] * 2,
-    }).json()
+    batch = httpx.post(
+        f"{server.url}/generate",
+        json={
+            "input_ids": prompts[:2],
+            "sampling_params": [{"max_new_tokens": 2, "temperature": 0, "n": 2}] * 2,
+        },
+    ).json()
     assert isinstance(batch, list) and len(batch) == 4  # n=2 repeats the input list
     assert batch[0]["output_ids"] == batch[2]["output_ids"]
     assert "output_token_logprobs" not in batch[0]["meta_info"]

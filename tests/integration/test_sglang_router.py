@@ -16,8 +16,8 @@ def test_two_servers_behind_the_router_serve_the_run_and_follow_every_weight_upd
     from storage.checkpoints import resolve_checkpoint
     from storage.layout import RunLayout
     from storage.manifest import read_latest
-    from tasks.prepare_base import bootstrap_cache_dir
     from tasks.engines.sglang.weights import checkpoint_weight_version
+    from tasks.prepare_base import bootstrap_cache_dir
     from tasks.runtime import open_run
 
     embedded = write_config(tmp_path, "embedded")
@@ -34,8 +34,12 @@ def test_two_servers_behind_the_router_serve_the_run_and_follow_every_weight_upd
                     **TINY["rollout"],
                     "engine": "sglang",
                     # the log-prob probe goes to each worker directly; off, every worker /generate is routed
-                    "sglang": {"urls": [s.url for s in servers], "router_url": router.url,
-                               "health_timeout_s": 30, "check_logprobs": False},
+                    "sglang": {
+                        "urls": [s.url for s in servers],
+                        "router_url": router.url,
+                        "health_timeout_s": 30,
+                        "check_logprobs": False,
+                    },
                 },
             )
             sdpo_run(str(remote), ["iterations=2"])
@@ -85,15 +89,24 @@ def test_the_client_waits_until_the_router_has_registered_its_workers(tmp_path):
 
     path = tmp_path / "policy"
     tokenizer = make_checkpoint(path, seed=0)
-    with start_server(path, weight_version=checkpoint_weight_version(path),
-                      faults=[Fault("unhealthy", times=-1)]) as server:
+    with start_server(
+        path, weight_version=checkpoint_weight_version(path), faults=[Fault("unhealthy", times=-1)]
+    ) as server:
         with start_router([server.url], wait_for_workers=False) as router:
             # the router's first registration attempts fail; it retries later with backoff
             threading.Timer(2.0, server.faults.clear).start()
             config = SGLangConfig(urls=[server.url], router_url=router.url, health_timeout_s=60, retries=0)
             with SGLangEngine(config, str(path), router_url=router.url, check_logprobs=False) as engine:
                 prompt = tokenizer.encode("12+3=")
-                groups = engine.generate([prompt], n=2, temperature=1.0, top_p=1.0, max_new_tokens=3,
-                                         stop_token_ids=[], top_k_logprobs=2, seed=5)
+                groups = engine.generate(
+                    [prompt],
+                    n=2,
+                    temperature=1.0,
+                    top_p=1.0,
+                    max_new_tokens=3,
+                    stop_token_ids=[],
+                    top_k_logprobs=2,
+                    seed=5,
+                )
             assert [len(g) for g in groups] == [2]
             assert server.faults.received["/generate"] == 2  # both samples went through the router

@@ -38,7 +38,8 @@ def test_packaged_smollm2_converts_once_and_answers_with_its_chat_template(tmp_p
     from pathlib import Path
 
     repo = Path(__file__).resolve().parents[2]
-    done = subprocess.run([sys.executable, "-c", CONVERT_AND_ASK, str(tmp_path)], cwd=repo, capture_output=True,
-                          text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-c", CONVERT_AND_ASK, str(tmp_path)], cwd=repo, capture_output=True, text=True, timeout=600
+    )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     assert "Paris" in done.stdout.split("ANSWER:", 1)[1]

@@ -102,7 +102,10 @@ def test_lineage_checks_the_training_data_it_names(finished_run: Path) -> None:
     layout = RunLayout(str(finished_run), "audited")
     records = lineage(layout)
     assert [(r.iteration, r.kind, r.committed) for r in records] == [
-        (0, "policy", True), (1, "policy", True), (1, "teacher", True), (1, "megatron", True)
+        (0, "policy", True),
+        (1, "policy", True),
+        (1, "teacher", True),
+        (1, "megatron", True),
     ]
     assert all(r.trained_on_ok for r in records if r.iteration == 1)
     manifest = finished_run / "audited" / "iter-1" / "teacher" / "_manifest.json"

@@ -24,8 +24,9 @@ ROWS, G = 24, 4
 def run_root(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("viewer")
     write_synthetic_run(str(root / "runs"), "tiny", local_dir=root, rows=ROWS, group_size=G, seed=0)
-    write_synthetic_run(str(root / "runs"), "tiny", local_dir=root, rows=8, group_size=G, seed=1, iteration=2,
-                        scored=False)
+    write_synthetic_run(
+        str(root / "runs"), "tiny", local_dir=root, rows=8, group_size=G, seed=1, iteration=2, scored=False
+    )
     return root
 
 
@@ -48,12 +49,21 @@ def get(client: TestClient, path: str, **params) -> dict:
 def test_the_run_lists_scored_and_unscored_iterations(client):
     run = get(client, "/api/run")
     assert run["run"] == "tiny"
-    assert [(i["iteration"], i["stage"], i["samples"]) for i in run["iterations"]] == [(1, "teacher", ROWS), (2, "rollout", 8)]
+    assert [(i["iteration"], i["stage"], i["samples"]) for i in run["iterations"]] == [
+        (1, "teacher", ROWS),
+        (2, "rollout", 8),
+    ]
 
 
 def test_sort_by_reward_length_and_divergence(client, shard):
-    divergence = [float(np.mean(s - t)) for s, t in zip(shard["sampled_logprobs"], shard["teacher_sampled_logprobs"], strict=True)]
-    for sort, values in [("reward", shard["reward"]), ("length", [len(r) for r in shard["response_ids"]]), ("divergence", divergence)]:
+    divergence = [
+        float(np.mean(s - t)) for s, t in zip(shard["sampled_logprobs"], shard["teacher_sampled_logprobs"], strict=True)
+    ]
+    for sort, values in [
+        ("reward", shard["reward"]),
+        ("length", [len(r) for r in shard["response_ids"]]),
+        ("divergence", divergence),
+    ]:
         rows = get(client, "/api/iterations/1/samples", sort=sort, order="desc", limit=100)["rows"]
         expected = sorted(range(ROWS), key=lambda i: (-values[i], shard["sample_id"][i]))
         assert [r["sample_id"] for r in rows] == [int(shard["sample_id"][i]) for i in expected], sort
@@ -69,7 +79,9 @@ def test_filters_and_search_keep_exactly_the_matching_samples(client, shard):
     assert ids(mask="trained") == {i for i in every if shard["sample_mask"][i]}
     assert ids(reward_min=0.5) == {i for i in every if shard["reward"][i] >= 0.5}
     assert ids(reward_max=0.5) == {i for i in every if shard["reward"][i] <= 0.5}
-    assert ids(data_source="synthetic_code") == {i for i in every if shard["data_source"][i] == "synthetic_code"} != set()
+    assert (
+        ids(data_source="synthetic_code") == {i for i in every if shard["data_source"][i] == "synthetic_code"} != set()
+    )
     assert ids(finish_reason="length") == {i for i in every if shard["finish_reason"][i] == "length"} != set()
     assert ids(q="TOOL_CALL") == {i for i in every if "tool_call" in shard["response_text"][i]} != set()
     assert ids(q="wrong sign") == {i for i in every if shard["feedback"][i]}  # search covers feedback
@@ -78,7 +90,10 @@ def test_filters_and_search_keep_exactly_the_matching_samples(client, shard):
 
 def test_pages_partition_the_sorted_list(client):
     whole = get(client, "/api/iterations/1/samples", sort="reward", order="desc", limit=100)
-    pages = [get(client, "/api/iterations/1/samples", sort="reward", order="desc", offset=o, limit=5) for o in range(0, ROWS, 5)]
+    pages = [
+        get(client, "/api/iterations/1/samples", sort="reward", order="desc", offset=o, limit=5)
+        for o in range(0, ROWS, 5)
+    ]
     assert all(p["total"] == ROWS for p in pages)
     assert [r["sample_id"] for p in pages for r in p["rows"]] == [r["sample_id"] for r in whole["rows"]]
     assert get(client, "/api/iterations/1/samples", offset=ROWS)["rows"] == []
@@ -102,7 +117,9 @@ def test_one_sample_carries_per_token_credit_and_the_top_k(client, shard):
     assert [t["colour"] for t in tokens] == [credit_colour(t["credit"]) for t in tokens]
     first = tokens[0]["alternatives"]
     assert [a["student"] for a in first] == pytest.approx(np.exp(shard["topk_logprobs"][i][0]).tolist(), abs=1e-4)
-    assert [a["teacher"] for a in first] == pytest.approx(np.exp(shard["teacher_topk_logprobs"][i][0]).tolist(), abs=1e-4)
+    assert [a["teacher"] for a in first] == pytest.approx(
+        np.exp(shard["teacher_topk_logprobs"][i][0]).tolist(), abs=1e-4
+    )
     assert tokens[0]["text"] in [a["text"] for a in first]  # the sampled token is one of the candidates
 
 
@@ -261,10 +278,17 @@ def test_the_hover_keeps_the_teachers_favourite_when_k_is_large(tmp_path):
     student = np.log(np.linspace(1.0, 0.01, k) / np.linspace(1.0, 0.01, k).sum())[None, :]  # descending
     teacher = np.full((1, k), -20.0)
     teacher[0, k - 1] = -0.01  # the teacher's favourite is the student's last candidate
-    row = {"response_ids": np.array([5]), "topk_ids": np.arange(k)[None, :], "topk_logprobs": student,
-           "sampled_logprobs": student[:, 0], "teacher_topk_logprobs": teacher,
-           "teacher_sampled_logprobs": teacher[:, 0]}
+    row = {
+        "response_ids": np.array([5]),
+        "topk_ids": np.arange(k)[None, :],
+        "topk_logprobs": student,
+        "sampled_logprobs": student[:, 0],
+        "teacher_topk_logprobs": teacher,
+        "teacher_sampled_logprobs": teacher[:, 0],
+    }
     alternatives = response_tokens(tokenizer, row)[0]["alternatives"]
     assert len(alternatives) == HOVER_TOP
     assert alternatives[-1]["teacher"] == pytest.approx(np.exp(-0.01), abs=1e-4)
-    assert [a["student"] for a in alternatives[:-1]] == pytest.approx(np.exp(student[0, :HOVER_TOP - 1]).tolist(), abs=1e-4)
+    assert [a["student"] for a in alternatives[:-1]] == pytest.approx(
+        np.exp(student[0, : HOVER_TOP - 1]).tolist(), abs=1e-4
+    )

@@ -63,7 +63,13 @@ def browser():
 
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
-    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu", "--window-size=1400,900"):
+    for flag in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-dev-shm-usage",
+        "--disable-gpu",
+        "--window-size=1400,900",
+    ):
         options.add_argument(flag)
     driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
     driver.set_window_size(1400, 900)
@@ -85,12 +91,17 @@ def test_sort_open_a_sample_and_see_credit_and_teacher_context(server, browser, 
     _wait(browser, lambda d: len(d.find_elements(By.CSS_SELECTOR, "tr.sample-row")) == 24, "the sample list")
 
     browser.find_element(By.CSS_SELECTOR, 'th[data-sort="reward"]').click()  # reward, highest first
+
     def rewards(d) -> list[float]:  # read in one script: the rows are replaced while the page reloads
         return d.execute_script(
-            "return [...document.querySelectorAll('tr.sample-row')].map((r) => Number(r.dataset.reward));")
+            "return [...document.querySelectorAll('tr.sample-row')].map((r) => Number(r.dataset.reward));"
+        )
 
-    _wait(browser, lambda d: (r := rewards(d)) == sorted(r, reverse=True) and r[0] > r[-1],
-          "the list sorted by reward, descending")
+    _wait(
+        browser,
+        lambda d: (r := rewards(d)) == sorted(r, reverse=True) and r[0] > r[-1],
+        "the list sorted by reward, descending",
+    )
     # the best-rewarded sample that is trained on: its teacher saw a peer's answer
     row = next(r for r in browser.find_elements(By.CSS_SELECTOR, "tr.sample-row") if "trained" in r.text)
     sample_id = row.get_attribute("data-sample-id")
@@ -117,9 +128,14 @@ def test_sort_open_a_sample_and_see_credit_and_teacher_context(server, browser, 
     assert f"Sample {sample_id}" in browser.find_element(By.CSS_SELECTOR, "#detail h2").text
 
     ActionChains(browser).move_to_element(tokens[3]).perform()
-    tip = _wait(browser, lambda d: d.find_element(By.ID, "tooltip") if d.find_element(By.ID, "tooltip").is_displayed() else None,
-                "the top-K tooltip")
-    assert "student p" in tip.text and "teacher p" in tip.text and len(tip.find_elements(By.CSS_SELECTOR, "tr")) == 1 + 8
+    tip = _wait(
+        browser,
+        lambda d: d.find_element(By.ID, "tooltip") if d.find_element(By.ID, "tooltip").is_displayed() else None,
+        "the top-K tooltip",
+    )
+    assert (
+        "student p" in tip.text and "teacher p" in tip.text and len(tip.find_elements(By.CSS_SELECTOR, "tr")) == 1 + 8
+    )
 
     shot = tmp_path / "viewer.png"
     assert browser.save_screenshot(str(shot))

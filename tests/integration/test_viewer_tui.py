@@ -53,8 +53,12 @@ def test_sorting_and_the_mask_filter(data, shard):
             lengths = [int(n) for n in _column(app, 3)]
             assert lengths == sorted(lengths, reverse=True) and lengths[0] > lengths[-1]
             await pilot.press("d")
-            gaps = {int(i): float(np.mean(s - t)) for i, (s, t) in
-                    enumerate(zip(shard["sampled_logprobs"], shard["teacher_sampled_logprobs"], strict=True))}
+            gaps = {
+                int(i): float(np.mean(s - t))
+                for i, (s, t) in enumerate(
+                    zip(shard["sampled_logprobs"], shard["teacher_sampled_logprobs"], strict=True)
+                )
+            }
             assert [int(i) for i in _column(app, 0)] == sorted(gaps, key=lambda i: (-gaps[i], i))
             await pilot.press("m")  # trained only
             assert set(_column(app, 5)) == {"trained"}
@@ -72,8 +76,11 @@ def test_a_sample_shows_per_token_credit_colours_and_the_teacher_context(data, s
             sample_id = int(_column(app, 0)[1])
             content = app.query_one("#detail").visual
             credit = shard["teacher_sampled_logprobs"][sample_id] - shard["sampled_logprobs"][sample_id]
-            backgrounds = [_hex(span.style.background) for span in content.spans
-                           if getattr(span.style, "background", None) is not None]
+            backgrounds = [
+                _hex(span.style.background)
+                for span in content.spans
+                if getattr(span.style, "background", None) is not None
+            ]
             expected = [credit_colour(round(float(c), 4)) for c in credit]
             assert backgrounds == expected
             assert len(set(backgrounds)) > 3  # the colours vary with the credit

@@ -86,8 +86,19 @@ _DEFAULT_PATH: dict[str, str | None] = {
 }
 _REQUEST_FAULTS = ("500", "503", "drop", "slow", "unhealthy")
 _SAMPLING_KEYS = {
-    "max_new_tokens", "stop_token_ids", "temperature", "top_p", "top_k", "min_p", "n", "ignore_eos",
-    "skip_special_tokens", "no_stop_trim", "sampling_seed", "stop", "spaces_between_special_tokens",
+    "max_new_tokens",
+    "stop_token_ids",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "n",
+    "ignore_eos",
+    "skip_special_tokens",
+    "no_stop_trim",
+    "sampling_seed",
+    "stop",
+    "spaces_between_special_tokens",
 }
 
 
@@ -175,18 +186,25 @@ class _FaultMiddleware:
             await asyncio.sleep(fault.delay_s)
             await self.app(scope, receive, send)
         elif fault.kind == "drop":
-            await send({"type": "http.response.start", "status": 200,
-                        "headers": [(b"content-type", b"application/json"), (b"content-length", b"4096")]})
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", b"4096")],
+                }
+            )
             await send({"type": "http.response.body", "body": b'{"text": "', "more_body": True})
             raise _Dropped(f"injected dropped connection on {path}")
         else:  # 500, 503, unhealthy
             status = 503 if fault.kind == "unhealthy" else int(fault.kind)
-            body = b"" if fault.kind == "unhealthy" else (
-                b'{"error": {"message": "injected HTTP %d"}}' % status
+            body = b"" if fault.kind == "unhealthy" else (b'{"error": {"message": "injected HTTP %d"}}' % status)
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": status,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+                }
             )
-            await send({"type": "http.response.start", "status": status,
-                        "headers": [(b"content-type", b"application/json"),
-                                    (b"content-length", str(len(body)).encode())]})
             await send({"type": "http.response.body", "body": body})
 
 
@@ -240,8 +258,11 @@ class _Backend:
         self.context_length = int(config.max_position_embeddings)
         self.vocab_size = int(config.vocab_size)
         eos: set[int] = set()
-        for source in (config.eos_token_id, self.engine.model.generation_config.eos_token_id,
-                       self.tokenizer.eos_token_id):
+        for source in (
+            config.eos_token_id,
+            self.engine.model.generation_config.eos_token_id,
+            self.tokenizer.eos_token_id,
+        ):
             if source is not None:
                 eos.update([source] if isinstance(source, int) else source)
         self.eos_ids = frozenset(int(t) for t in eos)
@@ -288,9 +309,7 @@ class _Backend:
             if tempered:  # SGLang's default: log_softmax(logits / T), from the full sorted distribution
                 scaled = top_lps.astype(np.float64) / head.temperature  # [T, V]
                 scaled -= np.logaddexp.reduce(scaled, axis=1, keepdims=True)
-                logprobs = np.array(
-                    [scaled[t, int(np.nonzero(top_ids[t] == tok)[0][0])] for t, tok in enumerate(ids)]
-                )
+                logprobs = np.array([scaled[t, int(np.nonzero(top_ids[t] == tok)[0][0])] for t, tok in enumerate(ids)])
                 top_ids, top_lps = top_ids[:, : head.top_k], scaled[:, : head.top_k]
             if len(ids) >= head.max_new_tokens:
                 finish = {"type": "length", "length": head.max_new_tokens}
@@ -315,7 +334,9 @@ class _Backend:
             row = logprobs[p - 1]
             tokens.append([_json_float(row[ids[p]].item()), ids[p], None])
             values, indices = row.topk(top_k) if top_k else (row[:0], row[:0].long())
-            tops.append([[_json_float(v), int(i), None] for v, i in zip(values.tolist(), indices.tolist())])
+            tops.append(
+                [[_json_float(v), int(i), None] for v, i in zip(values.tolist(), indices.tolist(), strict=True)]
+            )
         return tokens, tops
 
 
@@ -435,8 +456,11 @@ def create_app(
         model_path = body.get("model_path") if isinstance(body, dict) else None
         if not model_path or not (Path(model_path) / "config.json").is_file():
             return JSONResponse(
-                {"success": False, "message": f"cannot load weights: {model_path!r} has no config.json",
-                 "num_paused_requests": 0},
+                {
+                    "success": False,
+                    "message": f"cannot load weights: {model_path!r} has no config.json",
+                    "num_paused_requests": 0,
+                },
                 status_code=400,
             )
         async with state["lock"]:
@@ -459,11 +483,13 @@ def create_app(
         except ValueError as exc:
             return error(400, str(exc))
         runnable = [item for item in items if item["job"].max_new_tokens > 0]
-        samples = dict(zip(
-            (id(item) for item in runnable),
-            await state["batcher"].submit([item["job"] for item in runnable]),
-            strict=True,
-        ))
+        samples = dict(
+            zip(
+                (id(item) for item in runnable),
+                await state["batcher"].submit([item["job"] for item in runnable]),
+                strict=True,
+            )
+        )
         version = reported_version(request.url.path)
         outputs = []
         for item in items:
@@ -472,11 +498,22 @@ def create_app(
             if item["return_logprob"] and item["logprob_start_len"] >= 0:
                 async with state["lock"]:
                     prompt_tokens, prompt_tops = await asyncio.to_thread(
-                        backend.prompt_logprobs, item["job"].input_ids, item["logprob_start_len"],
+                        backend.prompt_logprobs,
+                        item["job"].input_ids,
+                        item["logprob_start_len"],
                         item["top_logprobs_num"],
                     )
-            outputs.append(_render(item, sample, backend, version=version, started=started,
-                                   prompt_tokens=prompt_tokens or [], prompt_tops=prompt_tops or []))
+            outputs.append(
+                _render(
+                    item,
+                    sample,
+                    backend,
+                    version=version,
+                    started=started,
+                    prompt_tokens=prompt_tokens or [],
+                    prompt_tops=prompt_tops or [],
+                )
+            )
         return JSONResponse(outputs[0] if single else outputs)
 
     @app.post("/_faults")
@@ -493,8 +530,11 @@ def create_app(
     @app.get("/_stats")
     async def stats() -> dict:
         with plan.lock:
-            return {"received": dict(plan.received), "injected": [list(x) for x in plan.injected],
-                    "weight_updates": [list(x) for x in plan.weight_updates]}
+            return {
+                "received": dict(plan.received),
+                "injected": [list(x) for x in plan.injected],
+                "weight_updates": [list(x) for x in plan.weight_updates],
+            }
 
     return _FaultMiddleware(app, plan)
 
@@ -530,8 +570,9 @@ def _parse_generate(body: Any, backend: _Backend, *, tempered: bool) -> tuple[li
     params = _per_item(body.get("sampling_params") or {}, count, "sampling_params")
     return_logprob = _per_item(body.get("return_logprob") or False, count, "return_logprob")
     top_n = _per_item(body.get("top_logprobs_num") or 0, count, "top_logprobs_num")
-    start = _per_item(-1 if body.get("logprob_start_len") is None else body["logprob_start_len"], count,
-                      "logprob_start_len")
+    start = _per_item(
+        -1 if body.get("logprob_start_len") is None else body["logprob_start_len"], count, "logprob_start_len"
+    )
     rids = _per_item(body.get("rid"), count, "rid")
     n_values = {int(p.get("n", 1) or 1) for p in params}
     if len(n_values) != 1:
@@ -582,17 +623,20 @@ def _parse_generate(body: Any, backend: _Backend, *, tempered: bool) -> tuple[li
         if p.get("ignore_eos"):  # SGLang's ignore_eos turns off stop_token_ids too
             stop = frozenset()
         seed = p.get("sampling_seed")
-        job = _Job(list(ids), temperature, top_p, max_new_tokens, stop, int(k), None if seed is None else int(seed),
-                   tempered)
-        items.append({
-            "job": job,
-            "rid": rid or uuid.uuid4().hex,
-            "return_logprob": bool(want_lp),
-            "top_logprobs_num": int(k),
-            "logprob_start_len": int(s),
-            "skip_special_tokens": p.get("skip_special_tokens", True) is not False,
-            "no_stop_trim": bool(p.get("no_stop_trim")),
-        })
+        job = _Job(
+            list(ids), temperature, top_p, max_new_tokens, stop, int(k), None if seed is None else int(seed), tempered
+        )
+        items.append(
+            {
+                "job": job,
+                "rid": rid or uuid.uuid4().hex,
+                "return_logprob": bool(want_lp),
+                "top_logprobs_num": int(k),
+                "logprob_start_len": int(s),
+                "skip_special_tokens": p.get("skip_special_tokens", True) is not False,
+                "no_stop_trim": bool(p.get("no_stop_trim")),
+            }
+        )
     return items, single
 
 
@@ -601,8 +645,16 @@ def _json_float(value: float) -> float | None:
     return value if math.isfinite(value) else None
 
 
-def _render(item: dict, sample: _Sample, backend: _Backend, *, version: str, started: float,
-            prompt_tokens: list, prompt_tops: list) -> dict:
+def _render(
+    item: dict,
+    sample: _Sample,
+    backend: _Backend,
+    *,
+    version: str,
+    started: float,
+    prompt_tokens: list,
+    prompt_tops: list,
+) -> dict:
     """One sample as SGLang's /generate answer."""
     job: _Job = item["job"]
     text_ids = sample.ids
@@ -680,10 +732,10 @@ def start_server(
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="on",
-                                           timeout_graceful_shutdown=2))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name=f"sglang-test-{port}",
-                              daemon=True)
+    server = uvicorn.Server(
+        uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="on", timeout_graceful_shutdown=2)
+    )
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name=f"sglang-test-{port}", daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
     while not server.started:
@@ -715,8 +767,9 @@ def main() -> None:
     plan = FaultPlan()
     for fault in iter_faults(args.fault):
         plan.add(fault)
-    app = create_app(args.model_path, weight_version=args.weight_version, max_batch_size=args.max_batch_size,
-                     faults=plan)
+    app = create_app(
+        args.model_path, weight_version=args.weight_version, max_batch_size=args.max_batch_size, faults=plan
+    )
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
 
 

@@ -23,11 +23,19 @@ __all__ = ["RunningRouter", "router_command", "start_router"]
 def router_command(worker_urls: list[str], *, host: str, port: int, policy: str = "round_robin") -> list[str]:
     """The router's command line (as `infra/sglang/launch.sh` builds it)."""
     return [
-        sys.executable, "-m", "sglang_router.launch_router",
-        "--worker-urls", *worker_urls,
-        "--host", host, "--port", str(port),
-        "--policy", policy,
-        "--log-level", "warn",
+        sys.executable,
+        "-m",
+        "sglang_router.launch_router",
+        "--worker-urls",
+        *worker_urls,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--policy",
+        policy,
+        "--log-level",
+        "warn",
     ]
 
 
@@ -73,7 +81,8 @@ def start_router(
     with log_path.open("wb") as log:
         process = subprocess.Popen(
             router_command(worker_urls, host="127.0.0.1", port=port, policy=policy),
-            stdout=log, stderr=subprocess.STDOUT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
         )
     router = RunningRouter(url=f"http://127.0.0.1:{port}", process=process, log_path=log_path)
     deadline = time.monotonic() + timeout_s

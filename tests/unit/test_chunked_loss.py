@@ -71,7 +71,9 @@ def test_k_equal_to_v_gives_a_normalised_distribution_with_the_log_softmax_gradi
     rows = torch.arange(6)
     ids = torch.arange(V).expand(6, V)
     upstream = torch.randn(6, V, generator=gen, dtype=torch.float64)
-    got, got_grad = value_and_grad(lambda z: chunked_token_logprobs(z, rows, ids, chunk_tokens=4, chunk_vocab=10), logits, upstream)
+    got, got_grad = value_and_grad(
+        lambda z: chunked_token_logprobs(z, rows, ids, chunk_tokens=4, chunk_vocab=10), logits, upstream
+    )
     want, want_grad = value_and_grad(lambda z: torch.log_softmax(z, -1), logits, upstream)
     torch.testing.assert_close(got.exp().sum(-1), torch.ones(6, dtype=torch.float64))
     assert_rel_close(got, want)
@@ -93,7 +95,9 @@ def test_padded_vocabulary_columns_are_ignored_and_get_no_gradient(problem):
 def test_bfloat16_logits_get_a_bfloat16_gradient_close_to_float32(problem):
     logits, rows, ids, upstream = problem
     low = logits.to(torch.bfloat16)
-    got, got_grad = value_and_grad(lambda z: chunked_token_logprobs(z, rows, ids, chunk_tokens=4), low, upstream.float())
+    got, got_grad = value_and_grad(
+        lambda z: chunked_token_logprobs(z, rows, ids, chunk_tokens=4), low, upstream.float()
+    )
     want, want_grad = value_and_grad(lambda z: reference_token_logprobs(z, rows, ids), low.double(), upstream)
     assert got.dtype == torch.float32 and got_grad.dtype == torch.bfloat16
     assert_rel_close(got, want, rel=1e-6)  # the same bf16 inputs, reduced in float32
@@ -157,7 +161,13 @@ def test_vocabulary_shards_with_a_reducer_equal_the_unsharded_result(problem, wo
         local = padded[:, rank * shard : (rank + 1) * shard]
         results[rank] = value_and_grad(
             lambda z: chunked_token_logprobs(
-                z, rows, ids, vocab_size=V, vocab_start=rank * shard, chunk_tokens=4, chunk_vocab=5,
+                z,
+                rows,
+                ids,
+                vocab_size=V,
+                vocab_start=rank * shard,
+                chunk_tokens=4,
+                chunk_vocab=5,
                 reducer=reducer.for_rank(rank),
             ),
             local,

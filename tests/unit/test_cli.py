@@ -11,7 +11,20 @@ runner = CliRunner()
 
 @pytest.mark.parametrize(
     "command",
-    ["run", "advance", "fork", "validate", "lineage", "status", "verify", "gc", "stage", "eval", "prepare-data", "view"],
+    [
+        "run",
+        "advance",
+        "fork",
+        "validate",
+        "lineage",
+        "status",
+        "verify",
+        "gc",
+        "stage",
+        "eval",
+        "prepare-data",
+        "view",
+    ],
 )
 def test_every_command_has_help(command):
     result = runner.invoke(app, [command, "--help"])

@@ -17,8 +17,16 @@ def write(tmp_path: Path, text: str | bytes, name: str = "run.yaml") -> Path:
     return path
 
 
-@pytest.mark.parametrize("override", ["optimizer.lr=.inf", "optimizer.lr=.nan", "loss.clip_low=-.inf",
-                                      "teacher.update_rate=.nan", "rollout.temperature=.inf"])
+@pytest.mark.parametrize(
+    "override",
+    [
+        "optimizer.lr=.inf",
+        "optimizer.lr=.nan",
+        "loss.clip_low=-.inf",
+        "teacher.update_rate=.nan",
+        "rollout.temperature=.inf",
+    ],
+)
 def test_non_finite_numbers_are_refused(override):
     with pytest.raises(ConfigError, match=rf"override 1: {override.split('=')[0]}: .*finite"):
         load_config(None, [override])
@@ -35,13 +43,20 @@ def test_a_field_error_names_the_file_and_line(tmp_path):
         load_config(path)
 
 
-@pytest.mark.parametrize(("name", "kwargs", "message"), [
-    ("arithmetic", "{foo: 1}", r"\['foo'\] are not arguments of the 'arithmetic' verifier; it takes \[\]"),
-    ("math", "{allow_last_numbr: true}", r"\['allow_last_numbr'\] .* 'math' .* \['allow_last_number', 'reveal_answer'\]"),
-    ("code", "{memory: 512}", r"\['memory'\] .* 'code' verifier; it takes \[.*'memory_mb'"),
-    ("code", "{isolation: chroot}", r"isolation must be auto, namespace or process"),
-    ("code", "{nproc: 1}", r"nproc must be >= 2"),
-])
+@pytest.mark.parametrize(
+    ("name", "kwargs", "message"),
+    [
+        ("arithmetic", "{foo: 1}", r"\['foo'\] are not arguments of the 'arithmetic' verifier; it takes \[\]"),
+        (
+            "math",
+            "{allow_last_numbr: true}",
+            r"\['allow_last_numbr'\] .* 'math' .* \['allow_last_number', 'reveal_answer'\]",
+        ),
+        ("code", "{memory: 512}", r"\['memory'\] .* 'code' verifier; it takes \[.*'memory_mb'"),
+        ("code", "{isolation: chroot}", r"isolation must be auto, namespace or process"),
+        ("code", "{nproc: 1}", r"nproc must be >= 2"),
+    ],
+)
 def test_verifier_kwargs_are_checked_against_the_verifier(tmp_path, name, kwargs, message):
     path = write(tmp_path, f"verifier:\n  name: {name}\n  kwargs: {kwargs}\n")
     with pytest.raises(ConfigError, match=rf"{path}:3: verifier.kwargs: .*{message}"):
@@ -50,7 +65,9 @@ def test_verifier_kwargs_are_checked_against_the_verifier(tmp_path, name, kwargs
 
 def test_the_verifiers_own_kwargs_pass():
     load_config(None, ["verifier.name=math", "verifier.kwargs={allow_last_number: true}"])
-    load_config(None, ["verifier.name=code", "verifier.kwargs={partial_credit: true, isolation: process, memory_mb: 512}"])
+    load_config(
+        None, ["verifier.name=code", "verifier.kwargs={partial_credit: true, isolation: process, memory_mb: 512}"]
+    )
 
 
 def test_malformed_yaml_names_the_file_and_line(tmp_path):
@@ -65,12 +82,18 @@ def test_non_utf8_config_names_the_file(tmp_path):
         load_config(path)
 
 
-@pytest.mark.parametrize("override", [
-    f"storage.storage_options.secret={SECRET}", f"storage.storage_options.key={SECRET}",
-    f"storage.storage_options.client_kwargs.aws_secret_access_key={SECRET}",
-    f"storage.storage_options.password={SECRET}", f"tracking.uri=https://user:{SECRET}@mlflow.example/",
-    f"teacher.feedback_kwargs.api_key={SECRET}", f"model.chat_template_kwargs.hf_token={SECRET}",
-])
+@pytest.mark.parametrize(
+    "override",
+    [
+        f"storage.storage_options.secret={SECRET}",
+        f"storage.storage_options.key={SECRET}",
+        f"storage.storage_options.client_kwargs.aws_secret_access_key={SECRET}",
+        f"storage.storage_options.password={SECRET}",
+        f"tracking.uri=https://user:{SECRET}@mlflow.example/",
+        f"teacher.feedback_kwargs.api_key={SECRET}",
+        f"model.chat_template_kwargs.hf_token={SECRET}",
+    ],
+)
 def test_credentials_in_overrides_are_refused_without_showing_them(override):
     with pytest.raises(ConfigError) as err:
         load_config(None, [override])
@@ -79,7 +102,9 @@ def test_credentials_in_overrides_are_refused_without_showing_them(override):
 
 
 def test_credentials_in_the_file_are_refused_with_the_line(tmp_path):
-    path = write(tmp_path, f"name: x\nstorage:\n  storage_options:\n    endpoint_url: http://s3\n    secret: {SECRET}\n")
+    path = write(
+        tmp_path, f"name: x\nstorage:\n  storage_options:\n    endpoint_url: http://s3\n    secret: {SECRET}\n"
+    )
     with pytest.raises(ConfigError, match=rf"^{path}:5: storage.storage_options.secret looks like a credential") as err:
         load_config(path)
     assert SECRET not in str(err.value)

@@ -14,8 +14,12 @@ def test_row_schema_and_label():
 
 
 def test_splits_are_deterministic_for_a_seed_and_differ_across_seeds():
-    assert make_splits(seed=3, max_operand=20, eval_fraction=0.2) == make_splits(seed=3, max_operand=20, eval_fraction=0.2)
-    assert make_splits(seed=3, max_operand=20, eval_fraction=0.2) != make_splits(seed=4, max_operand=20, eval_fraction=0.2)
+    assert make_splits(seed=3, max_operand=20, eval_fraction=0.2) == make_splits(
+        seed=3, max_operand=20, eval_fraction=0.2
+    )
+    assert make_splits(seed=3, max_operand=20, eval_fraction=0.2) != make_splits(
+        seed=4, max_operand=20, eval_fraction=0.2
+    )
 
 
 def test_splits_cover_every_prompt_once_and_never_share_a_pair():
@@ -35,7 +39,9 @@ def test_labels_are_the_sums():
         assert row["label"] == str(int(a) + int(b))
 
 
-@pytest.mark.parametrize("kwargs", [dict(max_operand=0), dict(max_operand=5, eval_fraction=1.0), dict(max_operand=5, min_operand=6)])
+@pytest.mark.parametrize(
+    "kwargs", [dict(max_operand=0), dict(max_operand=5, eval_fraction=1.0), dict(max_operand=5, min_operand=6)]
+)
 def test_bad_settings_are_rejected(kwargs):
     kwargs = {"eval_fraction": 0.1, **kwargs}
     with pytest.raises(ValueError):

@@ -171,7 +171,9 @@ def test_jsd_is_symmetric_and_bounded_by_ln2():
     assert torch.all(pq <= math.log(2) + 1e-12) and torch.all(pq >= 0)
     # Disjoint supports reach the bound.
     disjoint = generalized_jsd(
-        torch.tensor([0.0, -math.inf], dtype=torch.float64), torch.tensor([-math.inf, 0.0], dtype=torch.float64), alpha=0.5
+        torch.tensor([0.0, -math.inf], dtype=torch.float64),
+        torch.tensor([-math.inf, 0.0], dtype=torch.float64),
+        alpha=0.5,
     )
     torch.testing.assert_close(disjoint, torch.tensor(math.log(2), dtype=torch.float64))
 

@@ -41,7 +41,7 @@ def test_both_engines_share_the_checked_generate():
 def test_valid_arguments_reach_the_engine_as_sampling_params():
     engine = Recorder()
     engine.generate([[1, 2], [3]], **{**GOOD, "stop_token_ids": [7.0]}, progress=True)
-    (prompts, params, progress), = engine.calls
+    ((prompts, params, progress),) = engine.calls
     assert prompts == [[1, 2], [3]] and progress is True
     assert params == SamplingParams(**GOOD)
     assert all(type(t) is int for t in params.stop_token_ids)

@@ -25,8 +25,17 @@ SYSTEM = {"role": "system", "content": "Be brief."}
 USER = {"role": "user", "content": "Solve {x}: x+1=3"}
 
 
-def make(sample_id, reward, *, group_id=0, text=None, feedback=None, finish_reason="stop", format_error=False,
-         teacher_prompt=None) -> SampleRecord:
+def make(
+    sample_id,
+    reward,
+    *,
+    group_id=0,
+    text=None,
+    feedback=None,
+    finish_reason="stop",
+    format_error=False,
+    teacher_prompt=None,
+) -> SampleRecord:
     return SampleRecord(
         sample_id=sample_id,
         group_id=group_id,
@@ -400,10 +409,17 @@ def test_warn_if_inactive_silent_when_some_sample_trains(caplog):
 
 @pytest.mark.parametrize(
     "policy",
-    [SDPOFeedback(), SDPOFeedback(dont_reprompt_on_self_success=False), RelaxSDPOFeedback(), RelaxSDPOFeedback(success_threshold=0.5)],
+    [
+        SDPOFeedback(),
+        SDPOFeedback(dont_reprompt_on_self_success=False),
+        RelaxSDPOFeedback(),
+        RelaxSDPOFeedback(success_threshold=0.5),
+    ],
     ids=["sdpo", "sdpo-self", "relax", "relax-0.5"],
 )
-@pytest.mark.parametrize("rewards", [[0.0, 1.0, 0.0, 1.0], [1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0], [0.6, 1.0, 0.6, 0.0]])
+@pytest.mark.parametrize(
+    "rewards", [[0.0, 1.0, 0.0, 1.0], [1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0], [0.6, 1.0, 0.6, 0.0]]
+)
 def test_demonstrations_name_the_answer_each_teacher_prompt_carries(policy, rewards):
     group = [make(i, r) for i, r in enumerate(rewards)]
     demos = policy.demonstrations(group)

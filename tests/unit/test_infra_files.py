@@ -53,9 +53,15 @@ def one(docs: list[dict], kind: str) -> dict:
 def test_infra_has_the_cluster_recipes():
     names = {str(p.relative_to(INFRA)) for p in INFRA.rglob("*") if p.is_file()}
     assert {
-        "docker/Dockerfile.cpu", "docker/Dockerfile.cuda", "prefect/work-pools/process.json",
-        "prefect/work-pools/kubernetes.json", "k8s/sglang-servers.yaml", "k8s/router.yaml",
-        "sglang/launch.sh", "torchrun/node.sh", "torchrun/two-nodes.yaml",
+        "docker/Dockerfile.cpu",
+        "docker/Dockerfile.cuda",
+        "prefect/work-pools/process.json",
+        "prefect/work-pools/kubernetes.json",
+        "k8s/sglang-servers.yaml",
+        "k8s/router.yaml",
+        "sglang/launch.sh",
+        "torchrun/node.sh",
+        "torchrun/two-nodes.yaml",
     } <= names
 
 
@@ -157,8 +163,16 @@ def test_the_process_work_pool_template_is_one_the_process_worker_accepts():
 # The Kubernetes worker (prefect-kubernetes, KubernetesWorkerJobConfiguration) reads these fields of
 # job_configuration, and requires the job manifest to hold these paths with these values.
 K8S_JOB_CONFIGURATION = {
-    "command", "env", "labels", "name", "namespace", "job_manifest", "cluster_config",
-    "job_watch_timeout_seconds", "pod_watch_timeout_seconds", "stream_output",
+    "command",
+    "env",
+    "labels",
+    "name",
+    "namespace",
+    "job_manifest",
+    "cluster_config",
+    "job_watch_timeout_seconds",
+    "pod_watch_timeout_seconds",
+    "stream_output",
 }
 K8S_REQUIRED_MANIFEST = {
     "apiVersion": "batch/v1",
@@ -187,7 +201,11 @@ def test_the_kubernetes_work_pool_template_has_what_the_kubernetes_worker_expect
     pod = manifest["spec"]["template"]["spec"]
     container = pod["containers"][0]
     gpus = defaults(template)["gpus"]
-    assert container["resources"]["limits"]["nvidia.com/gpu"] == gpus == container["resources"]["requests"]["nvidia.com/gpu"]
+    assert (
+        container["resources"]["limits"]["nvidia.com/gpu"]
+        == gpus
+        == container["resources"]["requests"]["nvidia.com/gpu"]
+    )
     # the stage pods and the SGLang servers mount one cache claim at /cache: servers load checkpoints from it
     claim = one(k8s("cache-pvc.yaml"), "PersistentVolumeClaim")["metadata"]["name"]
     volumes = {v["name"]: v for v in pod["volumes"]}
@@ -231,7 +249,10 @@ def test_the_router_routes_to_every_server_of_the_statefulset():
 
 def run_script(script: str, *args: str, python: str) -> str:
     done = subprocess.run(
-        ["bash", str(INFRA / script), *args], capture_output=True, text=True, timeout=30,
+        ["bash", str(INFRA / script), *args],
+        capture_output=True,
+        text=True,
+        timeout=30,
         env=dict(os.environ, PYTHON=python),
     )
     assert done.returncode == 0, done.stderr
@@ -241,8 +262,21 @@ def run_script(script: str, *args: str, python: str) -> str:
 def test_launch_sh_starts_the_router_the_router_test_starts():
     from tests.sglang_server.router import router_command
 
-    out = run_script("sglang/launch.sh", "--model-path", "/ckpt", "--servers", "3", "--host", "127.0.0.1",
-                     "--base-port", "30000", "--router-port", "29000", "--dry-run", python="python")
+    out = run_script(
+        "sglang/launch.sh",
+        "--model-path",
+        "/ckpt",
+        "--servers",
+        "3",
+        "--host",
+        "127.0.0.1",
+        "--base-port",
+        "30000",
+        "--router-port",
+        "29000",
+        "--dry-run",
+        python="python",
+    )
     commands = [shlex.split(line[2:]) for line in out.splitlines() if line.startswith("+ ")]
     urls = [f"http://127.0.0.1:{30000 + i}" for i in range(3)]
     assert [c[c.index("--port") + 1] for c in commands[:3]] == ["30000", "30001", "30002"]
@@ -259,8 +293,25 @@ def test_node_sh_launches_the_command_of_the_torchrun_launcher(tmp_path):
     fake = tmp_path / "python"  # prints the command it was given, as one line
     fake.write_text('#!/bin/sh\necho "$@"\n')
     fake.chmod(0o755)
-    out = run_script("torchrun/node.sh", "--root", "s3://bucket/runs", "--run-name", "r", "--from", "2", "--to", "3",
-                     "--nproc-per-node", str(spec["nproc_per_node"]), "--nnodes", str(spec["nnodes"]),
-                     "--node-rank", "1", "--rdzv-endpoint", spec["rdzv_endpoint"], python=str(fake))
+    out = run_script(
+        "torchrun/node.sh",
+        "--root",
+        "s3://bucket/runs",
+        "--run-name",
+        "r",
+        "--from",
+        "2",
+        "--to",
+        "3",
+        "--nproc-per-node",
+        str(spec["nproc_per_node"]),
+        "--nnodes",
+        str(spec["nnodes"]),
+        "--node-rank",
+        "1",
+        "--rdzv-endpoint",
+        spec["rdzv_endpoint"],
+        python=str(fake),
+    )
     launched = [line for line in out.splitlines() if not line.startswith("+ ")]
     assert launched == [" ".join(stage_command("train", "s3://bucket/runs", "r", n, spec)[1:]) for n in (2, 3)]

@@ -185,7 +185,9 @@ def test_sampled_token_policy_loss_matches_its_surrogate():
     kwargs = {**LOSS_KWARGS, "divergence": "sampled_token", "alpha": 1.0, "is_clip": None}
     out = policy_loss(inputs, loss_type="sdpo", blend_lambda=0.0, **kwargs)
     surrogate = sampled_token_loss(inputs.student_token_logprobs, inputs.teacher_token_logprobs)
-    expected = masked_mean(surrogate, inputs.response_mask, inputs.sample_mask, reduction="dilute", aggregation="token-mean")
+    expected = masked_mean(
+        surrogate, inputs.response_mask, inputs.sample_mask, reduction="dilute", aggregation="token-mean"
+    )
     torch.testing.assert_close(out.loss, expected)
     assert out.metrics["sdpo/is_weight_mean"] == 1.0
 
@@ -205,8 +207,12 @@ def test_grpo_loss_ignores_sample_mask():
     inputs = _inputs()
     out = policy_loss(inputs, loss_type="grpo", blend_lambda=1.0, **LOSS_KWARGS)
     per_token = ppo_clip_loss(
-        inputs.student_token_logprobs, inputs.old_token_logprobs, inputs.advantages, inputs.response_mask,
-        clip_low=0.2, clip_high=0.28,
+        inputs.student_token_logprobs,
+        inputs.old_token_logprobs,
+        inputs.advantages,
+        inputs.response_mask,
+        clip_low=0.2,
+        clip_high=0.28,
     )
     expected = per_token.sum() / inputs.response_mask.sum()
     torch.testing.assert_close(out.loss, expected)
@@ -285,11 +291,25 @@ def test_policy_loss_counts_what_each_metric_averages():
     logp = torch.full((b, t), -1.0)
     topk = torch.log_softmax(torch.zeros(b, t, k + 1), dim=-1)[..., :k]
     out = policy_loss(
-        LossInputs(student_topk_logprobs=topk, teacher_topk_logprobs=topk, student_token_logprobs=logp,
-                   old_token_logprobs=logp, teacher_token_logprobs=logp, advantages=torch.ones(b),
-                   response_mask=response_mask, sample_mask=sample_mask),
-        loss_type="blend", divergence="topk_tail", alpha=0.5, blend_lambda=0.5, is_clip=2.0,
-        reduction="dilute", aggregation="token-mean", clip_low=0.2, clip_high=0.2,
+        LossInputs(
+            student_topk_logprobs=topk,
+            teacher_topk_logprobs=topk,
+            student_token_logprobs=logp,
+            old_token_logprobs=logp,
+            teacher_token_logprobs=logp,
+            advantages=torch.ones(b),
+            response_mask=response_mask,
+            sample_mask=sample_mask,
+        ),
+        loss_type="blend",
+        divergence="topk_tail",
+        alpha=0.5,
+        blend_lambda=0.5,
+        is_clip=2.0,
+        reduction="dilute",
+        aggregation="token-mean",
+        clip_low=0.2,
+        clip_high=0.2,
     )
     counts = out.metric_counts
     assert counts["sdpo/divergence_mean"] == 7.0  # active tokens: samples 0 and 2

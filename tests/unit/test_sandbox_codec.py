@@ -10,10 +10,28 @@ import pytest
 from tasks.sandbox.codec import CodecError, decode, encode, to_json
 
 
-@pytest.mark.parametrize("value", [
-    None, True, False, 0, -7, 2**200, 1.5, float("inf"), "text", b"\x00\xff", 1 + 2j,
-    [1, [2, (3, "x")]], (1,), {"a": 1, 2: [3]}, {1, 2}, frozenset({"x"}), {(1, 2): {"k": None}},
-])
+@pytest.mark.parametrize(
+    "value",
+    [
+        None,
+        True,
+        False,
+        0,
+        -7,
+        2**200,
+        1.5,
+        float("inf"),
+        "text",
+        b"\x00\xff",
+        1 + 2j,
+        [1, [2, (3, "x")]],
+        (1,),
+        {"a": 1, 2: [3]},
+        {1, 2},
+        frozenset({"x"}),
+        {(1, 2): {"k": None}},
+    ],
+)
 def test_plain_values_round_trip_with_their_exact_types(value):
     back = decode(encode(value))
     assert back == value and type(back) is type(value)
@@ -33,8 +51,9 @@ class SneakyInt(int):
         return True
 
 
-@pytest.mark.parametrize("value", [Anything(), SneakyInt(3), [1, Anything()], {"k": SneakyInt(1)}, type("L", (list,), {})(),
-                                   print, range(3)])
+@pytest.mark.parametrize(
+    "value", [Anything(), SneakyInt(3), [1, Anything()], {"k": SneakyInt(1)}, type("L", (list,), {})(), print, range(3)]
+)
 def test_objects_of_the_program_are_refused(value):
     with pytest.raises(CodecError, match="plain types only"):
         encode(value)

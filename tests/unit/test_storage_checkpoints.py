@@ -77,8 +77,9 @@ def test_upload_records_every_file_and_download_reproduces_the_folder(layout: Ru
     assert not [p for p in (tmp_path / "cache").iterdir() if p.name.startswith(".")]  # no temp folders left
 
 
-def test_cached_checkpoint_is_reused_without_downloading(layout: RunLayout, tmp_path: Path,
-                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cached_checkpoint_is_reused_without_downloading(
+    layout: RunLayout, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     upload_checkpoint(_megatron_like(tmp_path / "ckpt"), layout, 0, "policy", parent=None)
     first = download_checkpoint(layout, 0, "policy", cache_dir=tmp_path / "cache")
 
@@ -136,8 +137,14 @@ def test_resolve_latest_follows_committed_iterations(layout: RunLayout, tmp_path
         train.write_json("m.json", {})
         train.commit()
         parent = "base" if n == 0 else resolve_checkpoint(layout, n - 1)
-        upload_checkpoint(_megatron_like(tmp_path / f"c{n}", seed=n), layout, n, "policy", parent=parent,
-                          trained_on=[rollout, teacher])
+        upload_checkpoint(
+            _megatron_like(tmp_path / f"c{n}", seed=n),
+            layout,
+            n,
+            "policy",
+            parent=parent,
+            trained_on=[rollout, teacher],
+        )
         commit_iteration(layout, n, metrics={})
     assert resolve_checkpoint(layout, "latest").data["iteration"] == 1
     assert resolve_checkpoint(layout, "iter-0").data["iteration"] == 0
@@ -149,8 +156,9 @@ def test_resolve_latest_follows_committed_iterations(layout: RunLayout, tmp_path
 
 def test_lineage_follows_parents_and_training_data(layout: RunLayout, tmp_path: Path) -> None:
     t0, t1 = _teacher_stage(layout, 0), _teacher_stage(layout, 1)
-    p0 = upload_checkpoint(_megatron_like(tmp_path / "a"), layout, 0, "policy", parent="Qwen/Qwen3-0.6B",
-                           trained_on=[t0])
+    p0 = upload_checkpoint(
+        _megatron_like(tmp_path / "a"), layout, 0, "policy", parent="Qwen/Qwen3-0.6B", trained_on=[t0]
+    )
     upload_checkpoint(_megatron_like(tmp_path / "b", seed=1), layout, 0, "teacher", parent=p0)
     p1 = upload_checkpoint(_megatron_like(tmp_path / "c", seed=2), layout, 1, "policy", parent=p0, trained_on=[t1])
     records = lineage(layout)
@@ -168,8 +176,9 @@ def test_lineage_follows_parents_and_training_data(layout: RunLayout, tmp_path: 
 def test_lineage_flags_a_parent_whose_manifest_changed(layout: RunLayout, tmp_path: Path) -> None:
     p0 = upload_checkpoint(_megatron_like(tmp_path / "a"), layout, 0, "policy", parent=None)
     upload_checkpoint(_megatron_like(tmp_path / "b", seed=1), layout, 1, "policy", parent=p0)
-    layout.store.write_bytes(layout.checkpoint_manifest(0, "policy"),
-                             layout.store.read_bytes(layout.checkpoint_manifest(0, "policy")) + b" ")
+    layout.store.write_bytes(
+        layout.checkpoint_manifest(0, "policy"), layout.store.read_bytes(layout.checkpoint_manifest(0, "policy")) + b" "
+    )
     assert lineage(layout)[1].parent_ok is False
     assert "NO" in format_lineage(lineage(layout)).splitlines()[2]
 
@@ -191,29 +200,36 @@ def test_empty_or_missing_folder_is_refused(layout: RunLayout, tmp_path: Path) -
         upload_checkpoint(tmp_path / "empty", layout, 0, "policy", parent=None)
 
 
-def test_part_of_a_checkpoint_downloads_only_the_files_chosen(layout: RunLayout, tmp_path: Path,
-                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+def test_part_of_a_checkpoint_downloads_only_the_files_chosen(
+    layout: RunLayout, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from storage.checkpoints import download_checkpoint_files
 
     source = _megatron_like(tmp_path / "ckpt")
     manifest = upload_checkpoint(source, layout, 0, "policy", parent=None)
-    local = download_checkpoint_files(layout, 0, "policy", include=lambda name: name.endswith(".json"),
-                                      cache_dir=tmp_path / "cache")
+    local = download_checkpoint_files(
+        layout, 0, "policy", include=lambda name: name.endswith(".json"), cache_dir=tmp_path / "cache"
+    )
     assert local.name.startswith(manifest.sha256 + "-")
     assert sorted(p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file()) == ["hf/config.json"]
     assert (local / "hf" / "config.json").read_bytes() == (source / "hf" / "config.json").read_bytes()
 
     damaged = local / "hf" / "config.json"
     damaged.write_text('{"model_type": "llama"}')  # same length would pass a size check; sha256 does not
-    again = download_checkpoint_files(layout, 0, "policy", include=lambda name: name.endswith(".json"),
-                                      cache_dir=tmp_path / "cache")
+    again = download_checkpoint_files(
+        layout, 0, "policy", include=lambda name: name.endswith(".json"), cache_dir=tmp_path / "cache"
+    )
     assert (again / "hf" / "config.json").read_bytes() == (source / "hf" / "config.json").read_bytes()
 
     def no_download(*args: object) -> None:
         raise AssertionError("downloaded although cached")
 
     monkeypatch.setattr(ObjectStore, "get_to_local", no_download)
-    assert download_checkpoint_files(layout, 0, "policy", include=lambda name: name.endswith(".json"),
-                                     cache_dir=tmp_path / "cache") == local
+    assert (
+        download_checkpoint_files(
+            layout, 0, "policy", include=lambda name: name.endswith(".json"), cache_dir=tmp_path / "cache"
+        )
+        == local
+    )
     with pytest.raises(FileNotFoundError, match="no file"):
         download_checkpoint_files(layout, 0, "policy", include=lambda name: False, cache_dir=tmp_path / "cache")

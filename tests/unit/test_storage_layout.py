@@ -73,12 +73,15 @@ def test_layout_builds_every_run_path(tmp_path: Path) -> None:
     assert layout.relative(layout.shard(1, "train", 0)) == "iter-1/train/part-00000.parquet"
 
 
-@pytest.mark.parametrize("bad", [
-    lambda l: l.stage_dir(0, "score"),
-    lambda l: l.checkpoint_dir(0, "critic"),
-    lambda l: l.stage_dir(-1, "rollout"),
-    lambda l: l.stage_file(0, "train", "_manifest.json"),
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        lambda layout: layout.stage_dir(0, "score"),
+        lambda layout: layout.checkpoint_dir(0, "critic"),
+        lambda layout: layout.stage_dir(-1, "rollout"),
+        lambda layout: layout.stage_file(0, "train", "_manifest.json"),
+    ],
+)
 def test_layout_refuses_unknown_stage_kind_or_iteration(bad, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(ValueError):
         bad(RunLayout(str(tmp_path), "r"))

@@ -29,11 +29,16 @@ def layout(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[RunLayout
         memory.rm(root, recursive=True)
 
 
-def _plant(layout: RunLayout, *, host: str, pid: int, expires_in_s: float, heartbeat_seconds: float | None = None) -> None:
-    now = dt.datetime.now(dt.timezone.utc)
+def _plant(
+    layout: RunLayout, *, host: str, pid: int, expires_in_s: float, heartbeat_seconds: float | None = None
+) -> None:
+    now = dt.datetime.now(dt.UTC)
     record = {
-        "host": host, "pid": pid, "created_at": now.isoformat(),
-        "expires_at": (now + dt.timedelta(seconds=expires_in_s)).isoformat(), "token": "planted",
+        "host": host,
+        "pid": pid,
+        "created_at": now.isoformat(),
+        "expires_at": (now + dt.timedelta(seconds=expires_in_s)).isoformat(),
+        "token": "planted",
     }
     if heartbeat_seconds is not None:
         record["heartbeat_seconds"] = heartbeat_seconds
@@ -87,7 +92,10 @@ def test_only_one_of_many_racing_writers_gets_the_lock(layout: RunLayout) -> Non
 
 def test_expired_lease_is_taken_over_only_with_force(layout: RunLayout) -> None:
     _plant(layout, host="other-host", pid=1, expires_in_s=-5)
-    with pytest.raises(LockHeldError, match="looks stale \\(lease expired at .*\\); take it over with force=True \\(the CLI: sdpo run --force-unlock\\)"):
+    with pytest.raises(
+        LockHeldError,
+        match="looks stale \\(lease expired at .*\\); take it over with force=True \\(the CLI: sdpo run --force-unlock\\)",
+    ):
         RunLock(layout, lease_seconds=60).acquire()
     with RunLock(layout, lease_seconds=60, force=True) as lock:
         assert read_lock_holder(layout) == lock.holder and lock.holder.token != "planted"
@@ -98,7 +106,11 @@ def test_expired_lease_of_a_heartbeating_holder_is_taken_over_without_force(layo
     _plant(layout, host="other-host", pid=1, expires_in_s=-5, heartbeat_seconds=15)
     with caplog.at_level("WARNING", logger="storage.lock"), RunLock(layout, lease_seconds=60) as lock:
         assert read_lock_holder(layout) == lock.holder and lock.holder.token != "planted"
-    assert "took over stale lock" in caplog.text and "host=other-host pid=1" in caplog.text and "lease expired" in caplog.text
+    assert (
+        "took over stale lock" in caplog.text
+        and "host=other-host pid=1" in caplog.text
+        and "lease expired" in caplog.text
+    )
 
 
 def test_a_heartbeating_holder_whose_lease_is_valid_keeps_its_lock(layout: RunLayout) -> None:

@@ -19,8 +19,9 @@ K = 4
 def layout(tmp_path) -> RunLayout:
     layout = RunLayout(str(tmp_path), "run")
     create_or_open_run(layout, {"model": "tiny"})
-    columns = synthetic_columns(iteration=1, n_rows=50, top_k=K, rng=np.random.default_rng(0), vocab=300,
-                                first_sample_id=100, teacher=True)
+    columns = synthetic_columns(
+        iteration=1, n_rows=50, top_k=K, rng=np.random.default_rng(0), vocab=300, first_sample_id=100, teacher=True
+    )
     write_stage(layout, 1, "teacher", columns, rows_per_shard=16, row_group_size=4)  # 4 shards, 4-row groups
     return layout
 
@@ -41,7 +42,9 @@ def test_read_rows_returns_exactly_the_rows_asked_for_in_that_order(layout):
     rows = read_rows(layout, 1, "teacher", positions, columns=["sample_id", "teacher_sampled_logprobs", "topk_ids"])
     assert rows.column("sample_id").to_pylist() == [100 + i for i in wanted]
     for j, i in enumerate(wanted):
-        np.testing.assert_array_equal(rows.column("teacher_sampled_logprobs")[j].as_py(), full["teacher_sampled_logprobs"][i])
+        np.testing.assert_array_equal(
+            rows.column("teacher_sampled_logprobs")[j].as_py(), full["teacher_sampled_logprobs"][i]
+        )
         np.testing.assert_array_equal(np.array(rows.column("topk_ids")[j].as_py()), full["topk_ids"][i])
 
 

@@ -24,9 +24,9 @@ from storage import (
     config_hash,
     create_or_open_run,
     iteration_committed,
+    read_eval,
     read_iteration_manifest,
     read_latest,
-    read_eval,
     read_run_config,
     read_stage_file,
     read_stage_manifest,
@@ -37,8 +37,8 @@ from storage import (
     write_stage_manifest,
 )
 from storage.manifest import plain_metrics
-from storage.provenance import code_version
 from storage.objects import sha256_bytes
+from storage.provenance import code_version
 from storage.synthetic import synthetic_columns
 
 CONFIG = {"lr": 1e-6}
@@ -74,7 +74,9 @@ def test_stage_manifest_records_files_digests_rows_and_provenance(layout: RunLay
     assert manifest.path == "iter-0/rollout/_manifest.json"
     assert manifest.sha256 == sha256_bytes(layout.store.read_bytes(layout.stage_manifest(0, "rollout")))
     assert [f["path"] for f in data["files"]] == [
-        "iter-0/rollout/part-00000.parquet", "iter-0/rollout/part-00001.parquet"]
+        "iter-0/rollout/part-00000.parquet",
+        "iter-0/rollout/part-00001.parquet",
+    ]
     assert [f["rows"] for f in data["files"]] == [4, 2] and data["rows"] == 6
     for entry in data["files"]:
         payload = layout.store.read_bytes(layout.url(entry["path"]))
@@ -243,7 +245,11 @@ def test_a_manifest_that_is_not_utf8_json_names_its_url(layout: RunLayout) -> No
 
     manifest = _rollout(layout, 0)
     url = layout.url(manifest.path)
-    for payload, message in [(b"{\"a\": \"\xff\"}", "is not UTF-8"), (b"{not json", "is not valid JSON"), (b"[1]", "a JSON list")]:
+    for payload, message in [
+        (b'{"a": "\xff"}', "is not UTF-8"),
+        (b"{not json", "is not valid JSON"),
+        (b"[1]", "a JSON list"),
+    ]:
         layout.store.fs.pipe_file(layout.store.path(url), payload)
         with pytest.raises(CorruptManifestError, match=message) as err:
             read_manifest(layout, url)

@@ -36,15 +36,22 @@ def _run(tmp_path: Path, iterations: int, *, megatron_every: int = 1) -> RunLayo
 
 
 def _kept(layout: RunLayout, kind: str, iterations: int) -> list[int]:
-    return [n for n in range(iterations + 1) if layout.store.exists(layout.checkpoint_manifest(n, kind))
-            and not is_pruned(layout, n, kind)]
+    return [
+        n
+        for n in range(iterations + 1)
+        if layout.store.exists(layout.checkpoint_manifest(n, kind)) and not is_pruned(layout, n, kind)
+    ]
 
 
 def test_rules_keep_their_union_and_what_resume_needs(tmp_path: Path) -> None:
     layout = _run(tmp_path, 10)
     accuracy = {2: 0.1, 4: 0.7, 6: 0.3, 8: 0.2, 10: 0.5}
-    apply(layout, resumable=KeepRule(last=2), weights=KeepRule(last=2, every=5, best="eval/acc"),
-          eval_metric=lambda n, name: accuracy.get(n) if name == "eval/acc" else None)
+    apply(
+        layout,
+        resumable=KeepRule(last=2),
+        weights=KeepRule(last=2, every=5, best="eval/acc"),
+        eval_metric=lambda n, name: accuracy.get(n) if name == "eval/acc" else None,
+    )
     assert _kept(layout, "megatron", 10) == [9, 10]
     assert _kept(layout, "policy", 10) == [0, 4, 5, 9, 10]  # base, best (4), every 5th, last 2
     assert _kept(layout, "teacher", 10) == [4, 5, 9, 10]
@@ -58,11 +65,19 @@ def test_rules_keep_their_union_and_what_resume_needs(tmp_path: Path) -> None:
 def test_no_rule_keeps_everything_and_a_dry_run_deletes_nothing(tmp_path: Path) -> None:
     layout = _run(tmp_path, 4)
     assert all(d.keep for d in plan(layout, resumable=KeepRule(), weights=KeepRule(), eval_metric=lambda n, m: None))
-    decisions = apply(layout, resumable=KeepRule(last=1), weights=KeepRule(last=1),
-                      eval_metric=lambda n, m: None, dry_run=True)
+    decisions = apply(
+        layout, resumable=KeepRule(last=1), weights=KeepRule(last=1), eval_metric=lambda n, m: None, dry_run=True
+    )
     assert sorted((d.iteration, d.kind) for d in decisions if not d.keep) == [
-        (1, "megatron"), (1, "policy"), (1, "teacher"), (2, "megatron"), (2, "policy"), (2, "teacher"),
-        (3, "megatron"), (3, "policy"), (3, "teacher"),
+        (1, "megatron"),
+        (1, "policy"),
+        (1, "teacher"),
+        (2, "megatron"),
+        (2, "policy"),
+        (2, "teacher"),
+        (3, "megatron"),
+        (3, "policy"),
+        (3, "teacher"),
     ]
     assert _kept(layout, "policy", 4) == [0, 1, 2, 3, 4]
 
@@ -76,7 +91,9 @@ def test_the_last_full_training_state_is_kept_even_when_the_rule_would_drop_it(t
 
 def test_a_prune_killed_after_its_tombstone_is_finished(tmp_path: Path) -> None:
     layout = _run(tmp_path, 3)
-    layout.store.write_bytes(layout.checkpoint_tombstone(1, "policy"), b'{"pruned_at": "t", "reason": "r", "bytes": 10}')
+    layout.store.write_bytes(
+        layout.checkpoint_tombstone(1, "policy"), b'{"pruned_at": "t", "reason": "r", "bytes": 10}'
+    )
     assert layout.store.list_files(layout.checkpoint_files_dir(1, "policy"))
     apply(layout, resumable=KeepRule(), weights=KeepRule(), eval_metric=lambda n, m: None)
     assert layout.store.list_files(layout.checkpoint_files_dir(1, "policy")) == []

@@ -34,7 +34,7 @@ def _as_s3fs_raises(error: BaseException) -> OSError:
         (_as_s3fs_raises(_client_error("InternalError", 500)), True),
         (_as_s3fs_raises(_client_error("SlowDown", 503)), True),
         (_client_error("RequestTimeout", 400), True),
-        (socket.timeout("read timed out"), True),
+        (TimeoutError("read timed out"), True),
         (botocore.exceptions.ReadTimeoutError(endpoint_url="http://x"), True),
         (ConnectionResetError(), True),
         (_as_s3fs_raises(_client_error("AccessDenied", 403)), False),
@@ -67,7 +67,7 @@ def test_retries_stop_after_the_configured_attempts() -> None:
 
     def down() -> None:
         calls.append(1)
-        raise socket.timeout("read timed out")
+        raise TimeoutError("read timed out")
 
     with pytest.raises(socket.timeout):
         call_with_retry(down, policy=FAST, what="get")

@@ -92,7 +92,9 @@ def test_crash_points_kill_the_process_group_only_where_armed() -> None:
         "print('unreachable')\n"
     )
     env = {**os.environ, "SDPO_CRASH_AT": "commit.start@2"}
-    child = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, start_new_session=True)
+    child = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, start_new_session=True
+    )
     assert child.returncode == -signal.SIGKILL and "unreachable" not in child.stdout
     env["SDPO_CRASH_AT"] = "commit.start@7"
     assert subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True).returncode == 0

@@ -49,8 +49,15 @@ def layout(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[RunLayout
         memory.rm(root, recursive=True)
 
 
-def _write(layout: RunLayout, batches: list[dict], *, stage: str = "rollout", schema: ShardSchema = ROLLOUT,
-           n: int = 0, **writer_kwargs) -> None:  # type: ignore[no-untyped-def]
+def _write(
+    layout: RunLayout,
+    batches: list[dict],
+    *,
+    stage: str = "rollout",
+    schema: ShardSchema = ROLLOUT,
+    n: int = 0,
+    **writer_kwargs,
+) -> None:  # type: ignore[no-untyped-def]
     output = StageOutput(layout, n, stage)
     with ShardWriter(output, schema, top_k=K, **writer_kwargs) as writer:
         for columns in batches:
@@ -59,8 +66,15 @@ def _write(layout: RunLayout, batches: list[dict], *, stage: str = "rollout", sc
 
 
 def _columns(n_rows: int, *, first: int = 0, teacher: bool = False, seed: int = 0) -> dict:
-    return synthetic_columns(iteration=0, n_rows=n_rows, top_k=K, rng=np.random.default_rng(seed),
-                             first_sample_id=first, teacher=teacher, vocab=1000)
+    return synthetic_columns(
+        iteration=0,
+        n_rows=n_rows,
+        top_k=K,
+        rng=np.random.default_rng(seed),
+        first_sample_id=first,
+        teacher=teacher,
+        vocab=1000,
+    )
 
 
 def _drop_last_token(value: Ragged) -> Ragged:
@@ -104,8 +118,12 @@ def test_teacher_round_trip_with_float16_logprobs(layout: RunLayout) -> None:
     np.testing.assert_array_equal(sampled.values, columns["teacher_sampled_logprobs"].values)
     np.testing.assert_array_equal(batch.column("sample_mask").to_numpy(zero_copy_only=False), columns["sample_mask"])
     assert read_stage_manifest(layout, 0, "teacher").data["schema"] == {
-        "name": "teacher", "version": 1, "top_k": K, "logprob_dtype": "float16",
-        "topk_layout": "list<fixed_size_list<K>>"}
+        "name": "teacher",
+        "version": 1,
+        "top_k": K,
+        "logprob_dtype": "float16",
+        "topk_layout": "list<fixed_size_list<K>>",
+    }
 
 
 def test_write_stage_and_read_stage_columns_round_trip_per_row(layout: RunLayout) -> None:
@@ -116,7 +134,7 @@ def test_write_stage_and_read_stage_columns_round_trip_per_row(layout: RunLayout
     assert set(back) == set(TEACHER.names)
     values, offsets = columns["topk_logprobs"]
     for i in range(7):
-        np.testing.assert_array_equal(back["topk_logprobs"][i], values[offsets[i]:offsets[i + 1]])
+        np.testing.assert_array_equal(back["topk_logprobs"][i], values[offsets[i] : offsets[i + 1]])
         assert back["topk_ids"][i].shape == (offsets[i + 1] - offsets[i], K)
         assert len(back["teacher_sampled_logprobs"][i]) == offsets[i + 1] - offsets[i]
     np.testing.assert_array_equal(back["reward"], columns["reward"])
@@ -141,7 +159,7 @@ def test_python_lists_and_ragged_inputs_are_equivalent(layout: RunLayout) -> Non
     as_lists = dict(columns)
     for name in ("prompt_ids", "response_ids", "sampled_logprobs", "topk_ids", "topk_logprobs"):
         values, offsets = columns[name]
-        as_lists[name] = [values[offsets[i]:offsets[i + 1]].tolist() for i in range(5)]
+        as_lists[name] = [values[offsets[i] : offsets[i + 1]].tolist() for i in range(5)]
     as_lists["sample_id"] = list(range(5, 10))
     _write(layout, [columns, as_lists])
     table = read_table(layout, 0, "rollout")
@@ -156,7 +174,7 @@ def test_helpers_handle_sliced_batches_without_copying_rows(layout: RunLayout) -
     table = read_table(layout, 0, "rollout").slice(3, 4)
     ids, offsets = topk(table, "topk_ids")
     values, src_offsets = columns["topk_ids"]
-    np.testing.assert_array_equal(ids, values[src_offsets[3]:src_offsets[7]])
+    np.testing.assert_array_equal(ids, values[src_offsets[3] : src_offsets[7]])
     np.testing.assert_array_equal(offsets, src_offsets[3:8] - src_offsets[3])
 
 
@@ -175,8 +193,10 @@ def test_row_groups_and_shards_are_bounded(layout: RunLayout) -> None:
     "mutate, match",
     [
         (lambda c: c.update(sampled_logprobs=_drop_last_token(c["sampled_logprobs"])), "len\\(sampled_logprobs\\)"),
-        (lambda c: c.update(topk_ids=Ragged(c["topk_ids"].values[:, :4], c["topk_ids"].offsets)),
-         "must be \\[N_tokens, 8\\]"),
+        (
+            lambda c: c.update(topk_ids=Ragged(c["topk_ids"].values[:, :4], c["topk_ids"].offsets)),
+            "must be \\[N_tokens, 8\\]",
+        ),
         (lambda c: c.update(finish_reason=["stop"] * 3 + ["abort"]), "finish_reason 'abort'"),
         (lambda c: c.update(iteration=np.full(4, 2, np.int32)), "iteration is 2"),
         (lambda c: c.update(sample_id=np.array([0, 1, 1, 2])), "duplicate sample_id"),

@@ -44,9 +44,7 @@ def test_lone_success_gets_itself_when_self_allowed():
 
 
 def test_several_successes_first_by_index_and_first_gets_second():
-    demos = select_demonstrations(
-        [0.0, 1.0, 0.0, 1.0, 1.0], [0] * 5, success_threshold=1.0, exclude_self=True
-    )
+    demos = select_demonstrations([0.0, 1.0, 0.0, 1.0, 1.0], [0] * 5, success_threshold=1.0, exclude_self=True)
     assert demos == [1, 3, 1, 1, 1]
 
 
@@ -225,7 +223,7 @@ def test_multi_turn_only_last_user_message_changes():
 def test_nothing_privileged_returns_equal_copy(chat):
     out = build_teacher_messages(chat, solution=None, feedback=None)
     assert list(out) == chat
-    assert all(a is not b for a, b in zip(out, chat))
+    assert all(a is not b for a, b in zip(out, chat, strict=True))
 
 
 def test_no_user_message_raises(chat):

@@ -10,8 +10,8 @@ import pytest
 
 from flows.artifacts import artifact_key, iteration_markdown, mlflow_run_link
 from tasks.config import build_config
-from tasks.tracking.summary import RunSummary, render_table
 from tasks.tracking.experiment import Tracker, metric_names, source_tags, tracking_uri
+from tasks.tracking.summary import RunSummary, render_table
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -41,7 +41,9 @@ def test_a_configured_uri_wins(tmp_path):
 
 @pytest.mark.parametrize("loss", ["sdpo", "grpo", "blend"])
 def test_loss_totals_are_named_by_their_loss(loss):
-    named = metric_names({"loss/total": 1.0, "train/loss": 2.0, "sdpo/loss": 3.0, "rollout/reward_mean": 0.5}, loss_type=loss)
+    named = metric_names(
+        {"loss/total": 1.0, "train/loss": 2.0, "sdpo/loss": 3.0, "rollout/reward_mean": 0.5}, loss_type=loss
+    )
     assert named == {f"loss/{loss}": 1.0, f"train/loss_{loss}": 2.0, "sdpo/loss": 3.0, "rollout/reward_mean": 0.5}
 
 
@@ -78,8 +80,15 @@ def test_iteration_markdown_has_metrics_coverage_stage_times_and_links(tmp_path)
     tracker = SimpleNamespace(enabled=True, ui_url="http://127.0.0.1:5000/", experiment_id="1", run_id="abc")
     link = mlflow_run_link(tracker)
     assert link == "http://127.0.0.1:5000/#/experiments/1/runs/abc"
-    metrics = {"rollout/reward_mean": 0.5, "teacher/sample_mask_fraction": 0.75, "train/stage_seconds": 12.0, "loss/total": 0.1}
-    text = iteration_markdown(run, 3, metrics, mlflow_link=link, checkpoint_url="file:///runs/demo/checkpoints/iter-3/policy")
+    metrics = {
+        "rollout/reward_mean": 0.5,
+        "teacher/sample_mask_fraction": 0.75,
+        "train/stage_seconds": 12.0,
+        "loss/total": 0.1,
+    }
+    text = iteration_markdown(
+        run, 3, metrics, mlflow_link=link, checkpoint_url="file:///runs/demo/checkpoints/iter-3/policy"
+    )
     assert "iteration 3 of 6 (sdpo loss)" in text and "**75%**" in text
     assert "| `rollout/reward_mean` | 0.5 |" in text and "| train | 12.0 |" in text
     assert f"]({link})" in text and "iter-3/policy" in text

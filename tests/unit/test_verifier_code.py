@@ -86,9 +86,19 @@ def test_malformed_labels_are_rejected(label, match):
 # -- judging --------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("actual", "expected", "same"),
-    [("3\n", "3", True), ("  3  \n\n", "3\n", True), ("1 2\n3\n", "1 2\n3", True), ("1  2", "1 2", True),
-     ("0.3333333", "0.33333333", True), ("1e3", "1000", True), ("3", "4", False), ("1 2", "1\n2", False),
-     ("YES", "yes", False), ("", "0", False), ("3.0001", "3", False)],
+    [
+        ("3\n", "3", True),
+        ("  3  \n\n", "3\n", True),
+        ("1 2\n3\n", "1 2\n3", True),
+        ("1  2", "1 2", True),
+        ("0.3333333", "0.33333333", True),
+        ("1e3", "1000", True),
+        ("3", "4", False),
+        ("1 2", "1\n2", False),
+        ("YES", "yes", False),
+        ("", "0", False),
+        ("3.0001", "3", False),
+    ],
 )
 def test_stdout_comparison(actual, expected, same):
     assert stdout_matches(actual, expected) is same
@@ -96,15 +106,27 @@ def test_stdout_comparison(actual, expected, same):
 
 @pytest.mark.parametrize(
     ("actual", "expected", "same"),
-    [("[1, 2]", "[1,2]", True), ("3.0000000001", "3", True), ('{"a": 1}', '{"a": 1}', True), ("true", "1", False),
-     ("[1, 2]", "[2, 1]", False), ("null", "0", False), ("not json", "1", False), ('"a"', "a", False)],
+    [
+        ("[1, 2]", "[1,2]", True),
+        ("3.0000000001", "3", True),
+        ('{"a": 1}', '{"a": 1}', True),
+        ("true", "1", False),
+        ("[1, 2]", "[2, 1]", False),
+        ("null", "0", False),
+        ("not json", "1", False),
+        ('"a"', "a", False),
+    ],
 )
 def test_return_value_comparison(actual, expected, same):
     assert value_matches(actual, expected) is same
 
 
 def test_judge_maps_sandbox_statuses_to_outcomes():
-    executions = [ok(0, "3\n"), ok(1, "31\n"), Execution(index=2, status="error", error="ZeroDivisionError: division by zero")]
+    executions = [
+        ok(0, "3\n"),
+        ok(1, "31\n"),
+        Execution(index=2, status="error", error="ZeroDivisionError: division by zero"),
+    ]
     results = judge(STDIN, executions)
     assert [r.outcome for r in results] == ["passed", "wrong_answer", "runtime_error"]
     assert results[1].expected == "30\n" and results[1].output == "31\n"
@@ -122,9 +144,19 @@ def test_assert_tests_pass_without_outputs_and_fail_as_wrong_answers():
 
 
 # -- feedback -------------------------------------------------------------------------------------
-def result(index: int, outcome: str, *, input: str = "1", output: str = "", expected: str | None = "x", error: str = "",
-           stderr: str = "") -> TestResult:
-    return TestResult(index=index, outcome=outcome, input=input, output=output, expected=expected, error=error, stderr=stderr)
+def result(
+    index: int,
+    outcome: str,
+    *,
+    input: str = "1",
+    output: str = "",
+    expected: str | None = "x",
+    error: str = "",
+    stderr: str = "",
+) -> TestResult:
+    return TestResult(
+        index=index, outcome=outcome, input=input, output=output, expected=expected, error=error, stderr=stderr
+    )
 
 
 def test_all_passed_gives_no_feedback():
@@ -132,26 +164,34 @@ def test_all_passed_gives_no_feedback():
 
 
 def test_runtime_error_comes_first_with_its_last_input():
-    text = format_feedback([
-        result(0, "wrong_answer", input="2", output="5", expected="4"),
-        result(1, "time_limit_exceeded", input="3"),
-        result(2, "runtime_error", input="0", error="ZeroDivisionError: division by zero\nLine 3 in solve"),
-    ])
+    text = format_feedback(
+        [
+            result(0, "wrong_answer", input="2", output="5", expected="4"),
+            result(1, "time_limit_exceeded", input="3"),
+            result(2, "runtime_error", input="0", error="ZeroDivisionError: division by zero\nLine 3 in solve"),
+        ]
+    )
     assert text == "Runtime Error\nZeroDivisionError: division by zero\nLine 3 in solve\n\nLast Executed Input\n0"
 
 
 def test_time_limit_comes_before_wrong_answers():
-    text = format_feedback([result(0, "wrong_answer", output="5", expected="4"), result(1, "time_limit_exceeded", input="9 9")])
+    text = format_feedback(
+        [result(0, "wrong_answer", output="5", expected="4"), result(1, "time_limit_exceeded", input="9 9")]
+    )
     assert text == "Time Limit Exceeded\n\nLast Executed Input\n9 9"
 
 
 def test_wrong_answers_shortest_first_at_most_two():
-    text = format_feedback([
-        result(0, "wrong_answer", input="1000000 2000000", output="1", expected="3000000"),
-        result(1, "wrong_answer", input="1 2", output="4", expected="3"),
-        result(2, "wrong_answer", input="10 20", output="31", expected="30"),
-    ])
-    assert text.startswith("Test Case 2: Wrong Answer\n\nInput\n1 2\n\nOutput\n4\n\nExpected\n3\n\nTest Case 3: Wrong Answer")
+    text = format_feedback(
+        [
+            result(0, "wrong_answer", input="1000000 2000000", output="1", expected="3000000"),
+            result(1, "wrong_answer", input="1 2", output="4", expected="3"),
+            result(2, "wrong_answer", input="10 20", output="31", expected="30"),
+        ]
+    )
+    assert text.startswith(
+        "Test Case 2: Wrong Answer\n\nInput\n1 2\n\nOutput\n4\n\nExpected\n3\n\nTest Case 3: Wrong Answer"
+    )
     assert "Test Case 1" not in text
 
 
@@ -214,8 +254,10 @@ def test_truncated_responses_score_zero_and_run_nothing():
 
 
 def test_feedback_for_format_and_truncation_shows_no_test_data():
-    for verdict in (verify("x", suite_to_label(STDIN), truncated=False, run_tests=fake_runner()),
-                    verify(PROGRAM, suite_to_label(STDIN), truncated=True, run_tests=fake_runner())):
+    for verdict in (
+        verify("x", suite_to_label(STDIN), truncated=False, run_tests=fake_runner()),
+        verify(PROGRAM, suite_to_label(STDIN), truncated=True, run_tests=fake_runner()),
+    ):
         assert "30" not in verdict.feedback and "10 20" not in verdict.feedback
 
 

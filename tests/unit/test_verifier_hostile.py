@@ -110,6 +110,7 @@ def test_nesting_is_a_format_error_that_says_so():
 
 def test_the_react_parser_is_linear():
     """Doubling the input must not quadruple the time (the old parser copied the rest per step)."""
+
     def seconds(n):
         text = "Thought: go\nAction: search\n" * n + 'Action Input: {"q": "x"}\n' * n
         started = time.thread_time()
@@ -120,11 +121,47 @@ def test_the_react_parser_is_linear():
     assert large < 8 * small + 0.05, (small, large)  # 4x the input: about 4x the time, never 16x
 
 
-PIECES = st.sampled_from([
-    "\\boxed{", "}", "{", "\\frac", "####", "Action:", "Action Input:", "\n", "[", "]", "(", ")", '"', ":", ",",
-    "<answer>", "</answer>", "```", "```python\n", "e", "E", "^", "9" * 50, "1", "-", ".", "x", "f(", "=", "٤", "４",
-    '{"name": "f", "arguments": ', "sqrt", "\\sqrt{", "pi", " ", "%",
-])
+PIECES = st.sampled_from(
+    [
+        "\\boxed{",
+        "}",
+        "{",
+        "\\frac",
+        "####",
+        "Action:",
+        "Action Input:",
+        "\n",
+        "[",
+        "]",
+        "(",
+        ")",
+        '"',
+        ":",
+        ",",
+        "<answer>",
+        "</answer>",
+        "```",
+        "```python\n",
+        "e",
+        "E",
+        "^",
+        "9" * 50,
+        "1",
+        "-",
+        ".",
+        "x",
+        "f(",
+        "=",
+        "٤",
+        "４",
+        '{"name": "f", "arguments": ',
+        "sqrt",
+        "\\sqrt{",
+        "pi",
+        " ",
+        "%",
+    ]
+)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

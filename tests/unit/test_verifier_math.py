@@ -3,7 +3,15 @@ import time
 import pytest
 
 from sdpo_core.records import Verdict
-from sdpo_core.verifiers.math import FORMAT_ERROR, TRUNCATED, answers_match, extract_final_answer, normalise, to_number, verify
+from sdpo_core.verifiers.math import (
+    FORMAT_ERROR,
+    TRUNCATED,
+    answers_match,
+    extract_final_answer,
+    normalise,
+    to_number,
+    verify,
+)
 
 
 @pytest.mark.parametrize(
@@ -71,8 +79,17 @@ def test_equal_answers_match(answer, label):
 
 @pytest.mark.parametrize(
     ("answer", "label"),
-    [("41", "42"), ("0.3333", "1/3"), ("\\frac{1}{3}", "0.33"), ("(2, 1)", "(1, 2)"), ("x^2", "x^3"), ("-5", "5"),
-     ("1,000", "100"), ("\\sqrt{2}", "2"), ("Monday", "Tuesday")],
+    [
+        ("41", "42"),
+        ("0.3333", "1/3"),
+        ("\\frac{1}{3}", "0.33"),
+        ("(2, 1)", "(1, 2)"),
+        ("x^2", "x^3"),
+        ("-5", "5"),
+        ("1,000", "100"),
+        ("\\sqrt{2}", "2"),
+        ("Monday", "Tuesday"),
+    ],
 )
 def test_different_answers_do_not_match(answer, label):
     assert not answers_match(answer, label)
@@ -107,8 +124,17 @@ def test_empty_label_is_rejected():
 
 @pytest.mark.parametrize(
     "answer",
-    ["9^9^9^9", "2^{1000000}", "(2^9)^{9^9}", "__import__('os').system('true')", "eval(1)", "x.__class__",
-     "lambda: 1", "[i for i in range(10**9)]", "\\frac{1}{0}"],
+    [
+        "9^9^9^9",
+        "2^{1000000}",
+        "(2^9)^{9^9}",
+        "__import__('os').system('true')",
+        "eval(1)",
+        "x.__class__",
+        "lambda: 1",
+        "[i for i in range(10**9)]",
+        "\\frac{1}{0}",
+    ],
 )
 def test_adversarial_answers_are_rejected_quickly_and_never_evaluated(answer):
     started = time.monotonic()

@@ -26,7 +26,9 @@ def test_correct_letter_in_any_common_form_scores_one(response):
     assert verify(response, "B", truncated=False) == Verdict(reward=1.0)
 
 
-@pytest.mark.parametrize("response", ["<answer>A</answer>", "<answer>C: something</answer>", "<answer>I pick D</answer>"])
+@pytest.mark.parametrize(
+    "response", ["<answer>A</answer>", "<answer>C: something</answer>", "<answer>I pick D</answer>"]
+)
 def test_wrong_letter_scores_zero_without_feedback(response):
     assert verify(response, "B", truncated=False) == Verdict(reward=0.0)
 
@@ -48,15 +50,26 @@ def test_an_unclosed_last_tag_is_a_format_error_even_after_a_closed_one():
 
 @pytest.mark.parametrize(
     "response",
-    ["", "B", "The answer is B.", "<answer></answer>", "<answer>   </answer>", "<answer>none of them</answer>",
-     "</answer>B<answer>", "<answer>E</answer>", "<answer>the first one</answer>"],
+    [
+        "",
+        "B",
+        "The answer is B.",
+        "<answer></answer>",
+        "<answer>   </answer>",
+        "<answer>none of them</answer>",
+        "</answer>B<answer>",
+        "<answer>E</answer>",
+        "<answer>the first one</answer>",
+    ],
 )
 def test_missing_or_empty_answers_are_format_errors(response):
     verdict = verify(response, "B", truncated=False)
     assert verdict.reward == 0.0 and verdict.format_error and verdict.feedback == FORMAT_ERROR
 
 
-@pytest.mark.parametrize("response", ["<answer>A or B</answer>", "<answer>B and C</answer>", "<answer>A, B, C, D</answer>"])
+@pytest.mark.parametrize(
+    "response", ["<answer>A or B</answer>", "<answer>B and C</answer>", "<answer>A, B, C, D</answer>"]
+)
 def test_hedging_between_options_is_a_format_error(response):
     assert verify(response, "B", truncated=False) == Verdict(reward=0.0, feedback=MULTIPLE_OPTIONS, format_error=True)
 
@@ -89,8 +102,13 @@ def test_a_label_that_is_not_an_option_letter_is_rejected(label):
 
 @pytest.mark.parametrize(
     ("response", "label", "reward"),
-    [("<answer>True</answer>", "True", 1.0), ("<answer>false.</answer>", "False", 1.0), ("<answer>Yes</answer>", "True", 1.0),
-     ("<answer>no</answer>", "True", 0.0), ("<answer>TRUE</answer>", "False", 0.0)],
+    [
+        ("<answer>True</answer>", "True", 1.0),
+        ("<answer>false.</answer>", "False", 1.0),
+        ("<answer>Yes</answer>", "True", 1.0),
+        ("<answer>no</answer>", "True", 0.0),
+        ("<answer>TRUE</answer>", "False", 0.0),
+    ],
 )
 def test_true_false_labels_compare_words(response, label, reward):
     assert verify(response, label, truncated=False).reward == reward

@@ -21,8 +21,8 @@ def steps_label(*steps: tuple[str, dict | str]) -> str:
 
 TWO_STEPS = steps_label(("getCurrentWeather", {"city": "Lima"}), ("getForecast", {"city": "Lima", "days": 3}))
 GOOD = (
-    "Thought: first the current weather.\nAction: getCurrentWeather\nAction Input: {\"city\": \"Lima\"}\n"
-    "Observation: sunny\nThought: now the forecast.\nAction: getForecast\nAction Input: {\"city\": \"Lima\", \"days\": 3}\n"
+    'Thought: first the current weather.\nAction: getCurrentWeather\nAction Input: {"city": "Lima"}\n'
+    'Observation: sunny\nThought: now the forecast.\nAction: getForecast\nAction Input: {"city": "Lima", "days": 3}\n'
     "Final Answer: sunny now."
 )
 
@@ -34,14 +34,14 @@ def test_ordered_steps_matching_the_gold_score_one():
 
 def test_same_steps_in_the_wrong_order_score_zero():
     swapped = (
-        "Action: getForecast\nAction Input: {\"city\": \"Lima\", \"days\": 3}\n"
-        "Action: getCurrentWeather\nAction Input: {\"city\": \"Lima\"}\n"
+        'Action: getForecast\nAction Input: {"city": "Lima", "days": 3}\n'
+        'Action: getCurrentWeather\nAction Input: {"city": "Lima"}\n'
     )
     assert verify(swapped, TWO_STEPS, truncated=False) == Verdict(reward=0.0)
 
 
 def test_each_input_pairs_with_the_latest_action_without_one():
-    text = "Action: a\nAction: b\nAction Input: {\"x\": 1}\nAction Input: {\"y\": 2}\n"
+    text = 'Action: a\nAction: b\nAction Input: {"x": 1}\nAction Input: {"y": 2}\n'
     assert parse_react_steps(text) == [("a", {"y": 2}), ("b", {"x": 1})]
 
 
@@ -53,34 +53,39 @@ def test_an_action_without_input_gets_an_empty_dict():
 
 
 def test_an_input_may_start_on_a_later_line():
-    text = "Action: getForecast\nAction Input:\n\n  {\"days\": 3}\nAction: getRandom\nAction Input: \t{}\n"
+    text = 'Action: getForecast\nAction Input:\n\n  {"days": 3}\nAction: getRandom\nAction Input: \t{}\n'
     assert parse_react_steps(text) == [("getForecast", {"days": 3}), ("getRandom", {})]
 
 
 def test_multiline_json_inputs_are_read_whole():
-    text = "Action: getForecast\nAction Input: {\n  \"city\": \"Lima\",\n  \"days\": 3\n}\n"
+    text = 'Action: getForecast\nAction Input: {\n  "city": "Lima",\n  "days": 3\n}\n'
     assert parse_react_steps(text) == [("getForecast", {"city": "Lima", "days": 3})]
 
 
 def test_input_values_must_match_exactly():
     text = (
-        "Action: getCurrentWeather\nAction Input: {\"city\": \"lima\"}\n"
-        "Action: getForecast\nAction Input: {\"city\": \"Lima\", \"days\": 3}"
+        'Action: getCurrentWeather\nAction Input: {"city": "lima"}\n'
+        'Action: getForecast\nAction Input: {"city": "Lima", "days": 3}'
     )
     assert verify(text, TWO_STEPS, truncated=False).reward == 0.0
 
 
 def test_extra_or_missing_steps_score_zero():
-    one = "Action: getCurrentWeather\nAction Input: {\"city\": \"Lima\"}\n"
+    one = 'Action: getCurrentWeather\nAction Input: {"city": "Lima"}\n'
     assert verify(one, TWO_STEPS, truncated=False).reward == 0.0
-    three = GOOD + "\nAction: getForecast\nAction Input: {\"city\": \"Lima\", \"days\": 3}"
+    three = GOOD + '\nAction: getForecast\nAction Input: {"city": "Lima", "days": 3}'
     assert verify(three, TWO_STEPS, truncated=False).reward == 0.0
 
 
 @pytest.mark.parametrize(
     "response",
-    ["", "I would call getForecast for Lima.", "Action: getForecast", "Action Input: {\"city\": \"Lima\"}",
-     "Action:getForecast Action Input: {}"],
+    [
+        "",
+        "I would call getForecast for Lima.",
+        "Action: getForecast",
+        'Action Input: {"city": "Lima"}',
+        "Action:getForecast Action Input: {}",
+    ],
 )
 def test_responses_without_an_action_line_followed_by_an_input_line_are_format_errors(response):
     verdict = verify(response, TWO_STEPS, truncated=False)
@@ -108,7 +113,7 @@ def test_truncation_takes_priority():
 
 def test_detailed_feedback_names_the_problem_without_gold_values():
     text = (
-        "Action: getCurrentWeather\nAction Input: {\"city\": \"Quito\", \"units\": \"metric\"}\n"
+        'Action: getCurrentWeather\nAction Input: {"city": "Quito", "units": "metric"}\n'
         "Action: getHistory\nAction Input: {}"
     )
     feedback = verify(text, TWO_STEPS, truncated=False, detailed_feedback=True).feedback
@@ -129,7 +134,9 @@ def test_label_with_empty_string_input_means_no_arguments():
     assert verify("Action: ping\nAction Input: {}", steps_label(("ping", "")), truncated=False).reward == 1.0
 
 
-@pytest.mark.parametrize("label", ['{"Action": "x"}', '[{"Action_Input": "{}"}]', '[{"Action": "x", "Action_Input": "[1]"}]'])
+@pytest.mark.parametrize(
+    "label", ['{"Action": "x"}', '[{"Action_Input": "{}"}]', '[{"Action": "x", "Action_Input": "[1]"}]']
+)
 def test_malformed_labels_are_rejected(label):
     with pytest.raises(ValueError):
         verify("Action: x\nAction Input: {}", label, truncated=False)
@@ -138,14 +145,22 @@ def test_malformed_labels_are_rejected(label):
 # -- function calls (BFCL) ------------------------------------------------------------------------
 AREA = {
     "name": "calculate_triangle_area",
-    "parameters": {"type": "dict", "properties": {"base": {"type": "integer"}, "height": {"type": "integer"},
-                                                  "unit": {"type": "string"}}, "required": ["base", "height"]},
+    "parameters": {
+        "type": "dict",
+        "properties": {"base": {"type": "integer"}, "height": {"type": "integer"}, "unit": {"type": "string"}},
+        "required": ["base", "height"],
+    },
 }
 FACT = {"name": "math.factorial", "parameters": {"type": "dict", "properties": {"number": {"type": "integer"}}}}
-SIMPLE = json.dumps({"ground_truth": [{"calculate_triangle_area": {"base": [10], "height": [5], "unit": ["units", ""]}}],
-                     "functions": [AREA]})
-PARALLEL = json.dumps({"ground_truth": [{"math.factorial": {"number": [5]}}, {"math.factorial": {"number": [7]}}],
-                       "functions": [FACT]})
+SIMPLE = json.dumps(
+    {
+        "ground_truth": [{"calculate_triangle_area": {"base": [10], "height": [5], "unit": ["units", ""]}}],
+        "functions": [AREA],
+    }
+)
+PARALLEL = json.dumps(
+    {"ground_truth": [{"math.factorial": {"number": [5]}}, {"math.factorial": {"number": [7]}}], "functions": [FACT]}
+)
 NO_CALL = json.dumps({"ground_truth": [], "functions": [AREA]})
 
 
@@ -178,11 +193,15 @@ def test_parallel_calls_match_in_any_order():
         ("[calculate_triangle_area(base=10, height=5, color='red')]", "unexpected argument 'color'"),
         ("[calculate_triangle_area(base=12, height=5)]", "the value 12 of argument 'base'"),
         ("[calculate_triangle_area(base=10, height=5, unit='cm')]", "the value 'cm' of argument 'unit'"),
-        ("[calculate_triangle_area(base='10', height=5)]",
-         "argument 'base' of 'calculate_triangle_area' must be of type integer"),
+        (
+            "[calculate_triangle_area(base='10', height=5)]",
+            "argument 'base' of 'calculate_triangle_area' must be of type integer",
+        ),
         ("[triangle_area(base=10, height=5)]", "'triangle_area' is not one of the available functions"),
-        ("[calculate_triangle_area(base=10, height=5), calculate_triangle_area(base=10, height=5)]",
-         "Expected 1 function call(s), got 2"),
+        (
+            "[calculate_triangle_area(base=10, height=5), calculate_triangle_area(base=10, height=5)]",
+            "Expected 1 function call(s), got 2",
+        ),
     ],
 )
 def test_wrong_calls_get_feedback_naming_the_problem(response, expected):
@@ -193,8 +212,12 @@ def test_wrong_calls_get_feedback_naming_the_problem(response, expected):
 
 @pytest.mark.parametrize(
     "response",
-    ["[calculate_triangle_area(base=12, height=5)]", "[calculate_triangle_area(base=10, height=5, unit='m')]",
-     "[calculate_triangle_area(height=5)]", "[calculate_triangle_area(base=12.5, height=5)]"],
+    [
+        "[calculate_triangle_area(base=12, height=5)]",
+        "[calculate_triangle_area(base=10, height=5, unit='m')]",
+        "[calculate_triangle_area(height=5)]",
+        "[calculate_triangle_area(base=12.5, height=5)]",
+    ],
 )
 def test_function_call_feedback_never_shows_accepted_values(response):
     feedback = verify_function_calls(response, SIMPLE, truncated=False).feedback
@@ -208,7 +231,9 @@ def test_a_call_to_another_available_function_is_named_as_wrong():
 
 
 def test_parallel_feedback_points_at_the_call_that_is_wrong():
-    feedback = verify_function_calls("[math.factorial(number=5), math.factorial(number=8)]", PARALLEL, truncated=False).feedback
+    feedback = verify_function_calls(
+        "[math.factorial(number=5), math.factorial(number=8)]", PARALLEL, truncated=False
+    ).feedback
     assert "the value 8 of argument 'number'" in feedback and "value 5" not in feedback
 
 
@@ -226,10 +251,12 @@ def test_no_calls_when_calls_are_needed_is_a_format_error(response):
 
 @pytest.mark.parametrize(
     ("response", "reason"),
-    [("[calculate_triangle_area(10, 5)]", "positional arguments"),
-     ("[calculate_triangle_area(base=__import__('os').getcwd(), height=5)]", "not a literal"),
-     ("[calculate_triangle_area(**{'base': 10})]", "**kwargs"),
-     ('[{"name": "calculate_triangle_area", "arguments": "{oops"}]', "not valid JSON")],
+    [
+        ("[calculate_triangle_area(10, 5)]", "positional arguments"),
+        ("[calculate_triangle_area(base=__import__('os').getcwd(), height=5)]", "not a literal"),
+        ("[calculate_triangle_area(**{'base': 10})]", "**kwargs"),
+        ('[{"name": "calculate_triangle_area", "arguments": "{oops"}]', "not valid JSON"),
+    ],
 )
 def test_malformed_calls_are_format_errors_and_never_evaluated(response, reason):
     verdict = verify_function_calls(response, SIMPLE, truncated=False)
@@ -249,13 +276,17 @@ def test_bool_is_not_accepted_for_an_integer_and_ints_are_not_bools():
 
 
 def test_nested_object_arguments_are_checked_key_by_key():
-    label = json.dumps({"ground_truth": [{"f": {"opts": [{"mode": ["fast", "quick"], "depth": [2, ""]}]}}], "functions": []})
+    label = json.dumps(
+        {"ground_truth": [{"f": {"opts": [{"mode": ["fast", "quick"], "depth": [2, ""]}]}}], "functions": []}
+    )
     assert verify_function_calls("f(opts={'mode': 'quick'})", label, truncated=False).reward == 1.0
     assert verify_function_calls("f(opts={'mode': 'slow'})", label, truncated=False).reward == 0.0
 
 
 def test_parse_function_calls_reads_dotted_names_and_literals():
-    assert parse_function_calls("[a.b(x=[1, 2], y={'k': None})]") == [FunctionCall("a.b", {"x": [1, 2], "y": {"k": None}})]
+    assert parse_function_calls("[a.b(x=[1, 2], y={'k': None})]") == [
+        FunctionCall("a.b", {"x": [1, 2], "y": {"k": None}})
+    ]
     assert parse_function_calls("no calls here") is None
 
 

@@ -10,7 +10,9 @@ from tasks.viewer.render import CREDIT_SCALE, credit_colour, regions, segments, 
 def test_regions_find_think_tool_call_and_code_blocks_with_their_tags():
     text = "<think>a</think>b<tool_call>{}</tool_call>c```py\nx\n```d"
     assert [(text[s:e], kind) for s, e, kind in regions(text)] == [
-        ("<think>a</think>", "think"), ("<tool_call>{}</tool_call>", "tool_call"), ("```py\nx\n```", "code"),
+        ("<think>a</think>", "think"),
+        ("<tool_call>{}</tool_call>", "tool_call"),
+        ("```py\nx\n```", "code"),
     ]
 
 

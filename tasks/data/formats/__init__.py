@@ -35,7 +35,8 @@ DATASETS: dict[str, Dataset] = {
     "sciknoweval": Dataset(sciknoweval.convert, frozenset({"domain", "domains", "levels", "types"})),
     "tooluse": Dataset(tooluse.convert),
     "toolalpaca": Dataset(toolalpaca.convert),
-    "livecodebench": Dataset(livecodebench.convert, frozenset({"include_public", "test_seed", "train_test_fraction", "time_limit"})
+    "livecodebench": Dataset(
+        livecodebench.convert, frozenset({"include_public", "test_seed", "train_test_fraction", "time_limit"})
     ),
     "humaneval": Dataset(humaneval.convert, frozenset({"time_limit"})),
     "mbpp": Dataset(mbpp.convert, frozenset({"time_limit"})),

@@ -17,5 +17,11 @@ def convert(record: Any, index: int, options: dict) -> Row:
     answer = option_letter(field(record, "answerKey"), [str(x).strip() for x in labels])  # ARC uses A-E or 1-4
     opts = [(LETTERS[k], str(t).strip()) for k, t in enumerate(texts)]
     source_id = str(record.get("id", index))
-    return mcq_row(prompt_id=f"arc-{source_id}", question=question, options=opts, answer=answer, data_source="arc",
-                    metadata={"source_id": source_id})
+    return mcq_row(
+        prompt_id=f"arc-{source_id}",
+        question=question,
+        options=opts,
+        answer=answer,
+        data_source="arc",
+        metadata={"source_id": source_id},
+    )

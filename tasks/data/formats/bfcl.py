@@ -37,8 +37,13 @@ def convert(record: Any, index: int, options: dict) -> Row | None:
         {"role": str(m["role"]), "content": m["content"]} for m in turn if m.get("role") != "system"
     ]
     label = json.dumps({"ground_truth": ground_truth, "functions": functions}, ensure_ascii=False)
-    return make_row(prompt_id=f"bfcl-{entry_id}", messages=messages, label=label, data_source="bfcl",
-                metadata={"id": entry_id, "num_calls": len(ground_truth)})
+    return make_row(
+        prompt_id=f"bfcl-{entry_id}",
+        messages=messages,
+        label=label,
+        data_source="bfcl",
+        metadata={"id": entry_id, "num_calls": len(ground_truth)},
+    )
 
 
 def bfcl_answers(source: str, options: dict, storage_options: Mapping[str, Any] | None) -> dict[str, list]:

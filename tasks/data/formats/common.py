@@ -82,8 +82,9 @@ def mcq_user_text(question: str, options: Sequence[tuple[str, str]]) -> str:
     return f"{question}\n\n{lines}\nPlease reason step by step."
 
 
-def mcq_row(*, prompt_id: str, question: str, options: Sequence[tuple[str, str]], answer: str, data_source: str,
-             metadata: dict) -> Row:
+def mcq_row(
+    *, prompt_id: str, question: str, options: Sequence[tuple[str, str]], answer: str, data_source: str, metadata: dict
+) -> Row:
     letters = [letter for letter, _ in options]
     if answer not in letters:
         raise BadRow(f"answer {answer!r} is not one of the option letters {letters}")
@@ -91,8 +92,13 @@ def mcq_row(*, prompt_id: str, question: str, options: Sequence[tuple[str, str]]
         {"role": "system", "content": MCQ_SYSTEM_PROMPT},
         {"role": "user", "content": mcq_user_text(question, options)},
     ]
-    return make_row(prompt_id=prompt_id, messages=messages, label=answer, data_source=data_source,
-                metadata={**metadata, "num_choices": len(options)})
+    return make_row(
+        prompt_id=prompt_id,
+        messages=messages,
+        label=answer,
+        data_source=data_source,
+        metadata={**metadata, "num_choices": len(options)},
+    )
 
 
 def option_letter(label: Any, position_labels: Sequence[str]) -> str:

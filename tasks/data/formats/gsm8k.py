@@ -28,5 +28,10 @@ def convert(record: Any, index: int, options: dict) -> Row:
         raise BadRow("the final answer is empty")
     user = f"{question}\n\n{MATH_INSTRUCTION}"
     doc_id = record.get("doc_id", index) if isinstance(record, dict) else index
-    return make_row(prompt_id=stable_id("gsm8k", question), messages=[{"role": "user", "content": user}], label=answer,
-                data_source="gsm8k", metadata={"doc_id": doc_id})
+    return make_row(
+        prompt_id=stable_id("gsm8k", question),
+        messages=[{"role": "user", "content": user}],
+        label=answer,
+        data_source="gsm8k",
+        metadata={"doc_id": doc_id},
+    )

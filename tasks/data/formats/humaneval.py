@@ -15,11 +15,20 @@ def convert(record: Any, index: int, options: dict) -> Row:
     prompt = nonempty(field(record, "prompt"), "prompt")
     entry_point = nonempty(field(record, "entry_point"), "entry_point")
     test = nonempty(field(record, "test"), "test")
-    suite = TestSuite(testtype="assert", inputs=[f"check({entry_point})"], setup=test,
-                      time_limit=float(options.get("time_limit", 6.0)))
+    suite = TestSuite(
+        testtype="assert",
+        inputs=[f"check({entry_point})"],
+        setup=test,
+        time_limit=float(options.get("time_limit", 6.0)),
+    )
     text = (
         f"{CODE_INSTRUCTION}\n\nComplete the function `{entry_point}`. Give the whole function, with any "
         f"imports it needs.\n\n```python\n{prompt}```"
     )
-    return make_row(prompt_id=f"humaneval-{task_id.replace('/', '-')}", messages=[{"role": "user", "content": text}],
-                label=suite_to_label(suite), data_source="humaneval", metadata={"task_id": task_id})
+    return make_row(
+        prompt_id=f"humaneval-{task_id.replace('/', '-')}",
+        messages=[{"role": "user", "content": text}],
+        label=suite_to_label(suite),
+        data_source="humaneval",
+        metadata={"task_id": task_id},
+    )

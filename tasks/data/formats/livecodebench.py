@@ -91,11 +91,21 @@ def convert(record: Any, index: int, options: dict) -> Row:
     if not inputs or len(inputs) != len(outputs):
         raise BadRow(f"need as many outputs as inputs (got {len(inputs)} / {len(outputs)})")
     if options["_split"] == "train":
-        inputs, outputs = _half_of_tests(inputs, outputs, seed=options.get("test_seed", 0), key=source_id,
-                                         fraction=options.get("train_test_fraction", 0.5))
+        inputs, outputs = _half_of_tests(
+            inputs,
+            outputs,
+            seed=options.get("test_seed", 0),
+            key=source_id,
+            fraction=options.get("train_test_fraction", 0.5),
+        )
     try:
-        suite = TestSuite(testtype=testtype, inputs=inputs, outputs=outputs, fn_name=fn_name,
-                          time_limit=float(options.get("time_limit", 6.0)))
+        suite = TestSuite(
+            testtype=testtype,
+            inputs=inputs,
+            outputs=outputs,
+            fn_name=fn_name,
+            time_limit=float(options.get("time_limit", 6.0)),
+        )
     except (TypeError, ValueError) as exc:
         raise BadRow(str(exc)) from None
     text = f"{CODE_INSTRUCTION}\n\n### Problem\n{problem}"
@@ -103,8 +113,18 @@ def convert(record: Any, index: int, options: dict) -> Row:
         text += "\n\nRead the input from standard input and print the answer to standard output."
     if starter:
         text += f"\n\nStart from this code (keep the class and method names):\n```python\n{starter}\n```"
-    metadata = {"question_id": source_id, "platform": record.get("platform"), "difficulty": record.get("difficulty"),
-                "contest_date": str(record.get("contest_date")) if record.get("contest_date") else None,
-                "num_tests": len(inputs), "split": options["_split"]}
-    return make_row(prompt_id=f"livecodebench-{source_id}", messages=[{"role": "user", "content": text}],
-                label=suite_to_label(suite), data_source="livecodebench", metadata=metadata)
+    metadata = {
+        "question_id": source_id,
+        "platform": record.get("platform"),
+        "difficulty": record.get("difficulty"),
+        "contest_date": str(record.get("contest_date")) if record.get("contest_date") else None,
+        "num_tests": len(inputs),
+        "split": options["_split"],
+    }
+    return make_row(
+        prompt_id=f"livecodebench-{source_id}",
+        messages=[{"role": "user", "content": text}],
+        label=suite_to_label(suite),
+        data_source="livecodebench",
+        metadata=metadata,
+    )

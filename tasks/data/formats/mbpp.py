@@ -17,8 +17,17 @@ def convert(record: Any, index: int, options: dict) -> Row:
     tests = field(doc, "test_list", list)
     if not tests or not all(isinstance(t, str) and t.strip() for t in tests):
         raise BadRow("test_list must be a non-empty list of assert statements")
-    suite = TestSuite(testtype="assert", inputs=tests, setup=str(doc.get("test_setup_code") or ""),
-                      time_limit=float(options.get("time_limit", 6.0)))
+    suite = TestSuite(
+        testtype="assert",
+        inputs=tests,
+        setup=str(doc.get("test_setup_code") or ""),
+        time_limit=float(options.get("time_limit", 6.0)),
+    )
     user = f"{CODE_INSTRUCTION}\n\n{text}\nYour code must pass tests like this one:\n```python\n{tests[0]}\n```"
-    return make_row(prompt_id=f"mbpp-{task_id}", messages=[{"role": "user", "content": user}],
-                label=suite_to_label(suite), data_source="mbpp", metadata={"task_id": task_id})
+    return make_row(
+        prompt_id=f"mbpp-{task_id}",
+        messages=[{"role": "user", "content": user}],
+        label=suite_to_label(suite),
+        data_source="mbpp",
+        metadata={"task_id": task_id},
+    )

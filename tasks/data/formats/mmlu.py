@@ -16,5 +16,11 @@ def convert(record: Any, index: int, options: dict) -> Row:
         raise BadRow(f"answer index {answer} is out of range for {len(choices)} choices")
     opts = [(LETTERS[k], str(t).strip()) for k, t in enumerate(choices)]
     subject = str(record.get("subject") or options.get("subject") or "")
-    return mcq_row(prompt_id=stable_id("mmlu", subject, question, choices), question=question, options=opts,
-                    answer=LETTERS[answer], data_source="mmlu", metadata={"subject": subject})
+    return mcq_row(
+        prompt_id=stable_id("mmlu", subject, question, choices),
+        question=question,
+        options=opts,
+        answer=LETTERS[answer],
+        data_source="mmlu",
+        metadata={"subject": subject},
+    )

@@ -14,9 +14,13 @@ def convert(record: Any, index: int, options: dict) -> Row:
     answer = field(record, "answer", (str, int, float))
     generator = options["_generator"]
     user = f"{question}\n\n{MATH_INSTRUCTION}"
-    return make_row(prompt_id=f"reasoning_gym-{generator}-{options.get('seed', 42)}-{index}",
-                messages=[{"role": "user", "content": user}], label=str(answer).strip(),
-                data_source=f"reasoning_gym/{generator}", metadata={"generator": generator})
+    return make_row(
+        prompt_id=f"reasoning_gym-{generator}-{options.get('seed', 42)}-{index}",
+        messages=[{"role": "user", "content": user}],
+        label=str(answer).strip(),
+        data_source=f"reasoning_gym/{generator}",
+        metadata={"generator": generator},
+    )
 
 
 def generated_records(generator: str, *, size: int, seed: int) -> Iterator[tuple[str, Any]]:

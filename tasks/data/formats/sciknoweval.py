@@ -35,8 +35,13 @@ def _sciknoweval_flat(record: Row, index: int, options: dict) -> Row:
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
     source_index = record.get("idx", index)
     metadata = {"domain": options.get("domain"), "task_type": record.get("kind", "mcq"), "source_index": source_index}
-    return make_row(prompt_id=f"sciknoweval-{options.get('domain') or 'all'}-{source_index}", messages=messages,
-                label=answer, data_source="sciknoweval", metadata=metadata)
+    return make_row(
+        prompt_id=f"sciknoweval-{options.get('domain') or 'all'}-{source_index}",
+        messages=messages,
+        label=answer,
+        data_source="sciknoweval",
+        metadata=metadata,
+    )
 
 
 def _sciknoweval_raw(record: Any, index: int, options: dict) -> Row | None:
@@ -57,7 +62,19 @@ def _sciknoweval_raw(record: Any, index: int, options: dict) -> Row | None:
     options_list = [(str(lab).strip(), str(txt).strip()) for lab, txt in zip(labels, texts, strict=True)]
     answer = nonempty(field(record, "answerKey"), "answerKey")
     source_id = record.get("id", details.get("id", index))
-    metadata = {"domain": domain, "task_type": task_type, "level": level, "task": details.get("task"),
-                "subtask": details.get("subtask"), "source_index": source_id}
-    return mcq_row(prompt_id=stable_id("sciknoweval", domain, question, options_list), question=question,
-                    options=options_list, answer=answer, data_source="sciknoweval", metadata=metadata)
+    metadata = {
+        "domain": domain,
+        "task_type": task_type,
+        "level": level,
+        "task": details.get("task"),
+        "subtask": details.get("subtask"),
+        "source_index": source_id,
+    }
+    return mcq_row(
+        prompt_id=stable_id("sciknoweval", domain, question, options_list),
+        question=question,
+        options=options_list,
+        answer=answer,
+        data_source="sciknoweval",
+        metadata=metadata,
+    )

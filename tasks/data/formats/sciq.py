@@ -17,5 +17,11 @@ def convert(record: Any, index: int, options: dict) -> Row:
     # The correct answer comes first in the source: place it at a seeded, per-question position.
     random.Random(f"{options.get('seed', 42)}:{question}").shuffle(texts)
     opts = [(LETTERS[k], t) for k, t in enumerate(texts)]
-    return mcq_row(prompt_id=stable_id("sciq", question), question=question, options=opts,
-                    answer=LETTERS[texts.index(correct)], data_source="sciq", metadata={})
+    return mcq_row(
+        prompt_id=stable_id("sciq", question),
+        question=question,
+        options=opts,
+        answer=LETTERS[texts.index(correct)],
+        data_source="sciq",
+        metadata={},
+    )

@@ -25,5 +25,10 @@ def convert(record: Any, index: int, options: dict) -> Row:
         f"{TOOLALPACA_INSTRUCTION}\n\nTool name: {name}\nTool description: {description}\n"
         f"Tool documentation:\n{documentation}\n\nUser request:\n{instruction}"
     )
-    return make_row(prompt_id=stable_id("toolalpaca", name, instruction), messages=[{"role": "user", "content": user}],
-                label=label, data_source="toolalpaca", metadata={"tool": name, "source_index": index})
+    return make_row(
+        prompt_id=stable_id("toolalpaca", name, instruction),
+        messages=[{"role": "user", "content": user}],
+        label=label,
+        data_source="toolalpaca",
+        metadata={"tool": name, "source_index": index},
+    )

@@ -42,5 +42,10 @@ def convert(record: Any, index: int, options: dict) -> Row:
     system = (record.get("system") or "").strip()
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
     source_index = record.get("idx", index)
-    return make_row(prompt_id=f"tooluse-{source_index}", messages=messages, label=label, data_source="tooluse",
-                metadata={"source_index": source_index, "task_type": record.get("kind", "tooluse")})
+    return make_row(
+        prompt_id=f"tooluse-{source_index}",
+        messages=messages,
+        label=label,
+        data_source="tooluse",
+        metadata={"source_index": source_index, "task_type": record.get("kind", "tooluse")},
+    )

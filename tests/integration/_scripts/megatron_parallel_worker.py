@@ -55,9 +55,7 @@ def train_step(
         ddp_config=DistributedDataParallelConfig(overlap_grad_reduce=False),
         module=model,
     )
-    optimizer = get_megatron_optimizer(
-        OptimizerConfig(optimizer="adam", lr=1e-3, clip_grad=1.0), [ddp]
-    )
+    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, clip_grad=1.0), [ddp])
     ddp.zero_grad_buffer()
     optimizer.zero_grad()
     token_loss(ddp, batch).backward()

@@ -25,7 +25,10 @@ def main() -> None:
     data = pickle.loads(inputs.read_bytes())
     scorer = MegatronTeacherScorer.from_hf(hf_dir, tensor_parallel=tp, dtype=dtype, reference_dir=reference)
     scores = scorer.score(
-        sequences=data["sequences"], topk_ids=data["topk_ids"], batch_tokens=40, logit_chunk_tokens=7,
+        sequences=data["sequences"],
+        topk_ids=data["topk_ids"],
+        batch_tokens=40,
+        logit_chunk_tokens=7,
         trust_region_rate=rate,
     )
     if dist.get_rank() == 0:

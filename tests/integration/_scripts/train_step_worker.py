@@ -1,6 +1,6 @@
 """One training iteration of the Megatron trainer; run directly or under torchrun.
 
-    python train_step_worker.py HF_DIR COLUMNS.pkl OUT_DIR TENSOR_PARALLEL
+python train_step_worker.py HF_DIR COLUMNS.pkl OUT_DIR TENSOR_PARALLEL
 """
 
 from __future__ import annotations
