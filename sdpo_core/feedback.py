@@ -176,10 +176,12 @@ class SDPOFeedback(FeedbackPolicy):
 
     def demonstration_text(self, sample: SampleRecord) -> str:
         """The text of `sample` as a demonstration for its peers."""
-        text = sample.response_text
-        if self.remove_thinking_from_demonstration:
-            text = strip_thinking(text)
-        return fit_demonstration(text, max_chars=self.max_demo_chars, overflow=self.demo_overflow)
+        return _demonstration_text(
+            sample,
+            remove_thinking=self.remove_thinking_from_demonstration,
+            max_chars=self.max_demo_chars,
+            overflow=self.demo_overflow,
+        )
 
     def demonstrations(self, group: Sequence[SampleRecord]) -> list[int | None]:
         """The first success of the group with a non-empty demonstration, excluding the sample
@@ -219,6 +221,14 @@ class SDPOFeedback(FeedbackPolicy):
         return contexts
 
 
+def _demonstration_text(
+    sample: SampleRecord, *, remove_thinking: bool, max_chars: int | None, overflow: Literal["truncate", "error"]
+) -> str:
+    """A response as a demonstration: reasoning removed when asked, bounded to `max_chars`."""
+    text = strip_thinking(sample.response_text) if remove_thinking else sample.response_text
+    return fit_demonstration(text, max_chars=max_chars, overflow=overflow)
+
+
 @dataclass(frozen=True, kw_only=True)
 class RelaxSDPOFeedback(FeedbackPolicy):
     """The Relax variant of SDPO's teacher prompt.
@@ -244,11 +254,13 @@ class RelaxSDPOFeedback(FeedbackPolicy):
         _check_demo_policy(self.max_demo_chars, self.demo_overflow)
 
     def demonstration_text(self, sample: SampleRecord) -> str:
-        """The text of `sample` as a demonstration."""
-        text = sample.response_text
-        if self.remove_thinking_from_demonstration:
-            text = strip_thinking(text)
-        return fit_demonstration(text, max_chars=self.max_demo_chars, overflow=self.demo_overflow)
+        """The text of `sample` as a demonstration for its peers."""
+        return _demonstration_text(
+            sample,
+            remove_thinking=self.remove_thinking_from_demonstration,
+            max_chars=self.max_demo_chars,
+            overflow=self.demo_overflow,
+        )
 
     def demonstrations(self, group: Sequence[SampleRecord]) -> list[int | None]:
         """The first other success of the group; a lone success gets itself."""
