@@ -27,7 +27,7 @@ Memory: one limit for the whole sandbox (tasks/sandbox/memory.py).
 The Python-level guard (`python_guard`) also runs on top of namespace isolation unless turned off.
 docs/tasks.md states the guarantees of each level.
 
-One module on purpose (a little over 400 lines): starting one sandbox, watching its pipe and killing
+One module on purpose (longer than most): starting one sandbox, watching its pipe and killing
 it are one sequence whose security argument reads top to bottom; the parts that stand alone (the
 harness, runner, guard, codec and memory limit) are modules of their own.
 """
