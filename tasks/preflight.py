@@ -5,7 +5,7 @@ anything is written or handed to Prefect or MLflow, so a bad setup fails without
 folder: the storage root must not be a file, prepared data must follow the schema
 (tasks/data/schema.py) with a held-out set disjoint from training, and `rollout.top_k` must fit
 the tokenizer's vocabulary (bootstrap tokenizer, local model folder or preset; a model at a remote
-URL is checked when the rollout stage loads it).
+URL is checked when the rollout stage loads it), and `rollout.device=cuda` needs a visible CUDA device.
 """
 
 from __future__ import annotations
@@ -58,6 +58,14 @@ def preflight(cfg: RunConfig) -> None:
             load_splits(cfg.data, seed=cfg.seed)
         except (ValueError, FileNotFoundError) as err:  # InvalidRowError names the file and line
             raise ConfigError(f"data (data.path / data.eval_path): {err}") from None
+    if cfg.rollout.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError(
+                "rollout.device='cuda' but this machine has no CUDA device (torch.cuda.is_available() is False); "
+                "set rollout.device=cpu (and rollout.dtype=float32) or run on a GPU machine"
+            )
     if cfg.loss.divergence != "full":
         vocab = vocabulary_size(cfg)
         if vocab is not None and cfg.rollout.top_k > vocab:

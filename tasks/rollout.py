@@ -28,9 +28,12 @@ def get_engine(rollout: RolloutConfig, policy_dir: Path, *, cache_key: str) -> A
     engine = _ENGINES.get(key)
     if engine is None:
         if rollout.engine == "embedded":
+            import torch
+
             from tasks.engines.embedded import EmbeddedEngine
 
-            engine = EmbeddedEngine(str(policy_dir), max_batch_size=rollout.batch_size)
+            dtype = torch.bfloat16 if rollout.dtype == "bfloat16" else torch.float32
+            engine = EmbeddedEngine(str(policy_dir), device=rollout.device, dtype=dtype, max_batch_size=rollout.batch_size)
         else:
             from tasks.engines.sglang.client import SGLangEngine
 

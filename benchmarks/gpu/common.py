@@ -30,6 +30,14 @@ SHAPES: dict[str, dict[str, Any]] = {
         num_key_value_heads=2,
         head_dim=16,
     ),  # CPU smoke runs of the scripts
+    "tiny-gpu": dict(
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=64,
+    ),  # the GPU tests (head_dim 64 suits the bf16 kernels)
     "1.7b": dict(
         hidden_size=2048,
         intermediate_size=6144,

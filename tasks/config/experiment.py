@@ -154,7 +154,13 @@ class RolloutConfig(Section):
     top_p: float = Field(1.0, gt=0, le=1)
     max_new_tokens: int = Field(16, ge=1)
     top_k: int = Field(16, description="student top-K ids (and logprobs) recorded per token")
-    batch_size: int = Field(64, ge=1, description="prompts per engine call (embedded engine)")
+    batch_size: int = Field(64, ge=1, description="answers per engine call (embedded engine)")
+    device: Literal["cpu", "cuda"] = Field(
+        "cpu", description="embedded engine: where its model and KV cache live (cuda = the process's current GPU)"
+    )
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="embedded engine: precision of its weights and KV cache (bfloat16 needs device=cuda)"
+    )
     sglang: SGLangConfig = SGLangConfig()
 
     @field_validator("top_k")
@@ -168,6 +174,15 @@ class RolloutConfig(Section):
     def _sglang_urls(self) -> RolloutConfig:
         if self.engine == "sglang" and not self.sglang.urls:
             raise ValueError("engine='sglang' needs rollout.sglang.urls (one or more server URLs)")
+        if self.engine == "sglang" and (self.device, self.dtype) != ("cpu", "float32"):
+            raise ValueError(
+                f"rollout.device={self.device!r} / rollout.dtype={self.dtype!r} place the embedded engine; "
+                "with engine='sglang' the servers decide: leave both at their defaults"
+            )
+        if self.dtype == "bfloat16" and self.device != "cuda":
+            raise ValueError(
+                "rollout.dtype='bfloat16' samples in bf16 on a GPU; set rollout.device=cuda or rollout.dtype=float32"
+            )
         return self
 
 

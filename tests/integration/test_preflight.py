@@ -123,6 +123,16 @@ def test_top_k_above_the_vocabulary_fails_before_the_run(workdir):
     assert_nothing_written(workdir, allowed=set())
 
 
+def test_an_engine_on_cuda_without_a_cuda_device_fails_before_the_run(workdir, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    result = run_cli("run", DEMO, "rollout.device=cuda", "rollout.dtype=bfloat16", "storage.root=runs")
+    assert result.exit_code == 2
+    assert "rollout.device='cuda' but this machine has no CUDA device" in result.output
+    assert_nothing_written(workdir, allowed=set())
+
+
 def test_a_storage_root_that_is_a_file_is_named(workdir):
     (workdir / "runs").write_text("not a folder")
     result = run_cli("run", DEMO, "storage.root=runs")

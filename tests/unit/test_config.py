@@ -113,3 +113,20 @@ def test_config_imports_without_torch():
 def test_model_path_and_preset_are_exclusive():
     with pytest.raises(ConfigError, match="model.path .* or model.preset"):
         load_config(None, ["model.path=/models/x", "model.preset=smollm2-135m-instruct"])
+
+
+def test_a_bf16_embedded_engine_needs_the_gpu():
+    with pytest.raises(ConfigError, match="rollout.dtype='bfloat16' samples in bf16 on a GPU"):
+        load_config(None, ["rollout.dtype=bfloat16"])
+    cfg = load_config(None, ["rollout.device=cuda", "rollout.dtype=bfloat16"])
+    assert (cfg.rollout.device, cfg.rollout.dtype) == ("cuda", "bfloat16")
+
+
+def test_sglang_rollouts_take_no_embedded_engine_placement():
+    with pytest.raises(ConfigError, match="with engine='sglang' the servers decide"):
+        load_config(None, ["rollout.engine=sglang", "rollout.sglang.urls=[http://h:1]", "rollout.device=cuda"])
+
+
+def test_an_unknown_engine_device_names_the_field():
+    with pytest.raises(ConfigError, match=r"rollout\.device: Input should be 'cpu' or 'cuda'"):
+        load_config(None, ["rollout.device=gpu"])

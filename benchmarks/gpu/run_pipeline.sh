@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# The pipeline on one GPU (nvidia-h200): the pipeline GPU test, then `sdpo run` of
+# benchmarks/gpu/pipeline.yaml and the same work in TRL's SDPOTrainer, per shape. Logs go to $OUT.
+# Wheels in .whl/ (docs/benchmarks.md lists them): megatron-core, transformers, pydantic, Prefect,
+# mlflow-skinny, TRL, datasets and what they need that the image lacks.
+# STEPS picks among "test pipe-0.6b trl-0.6b pipe-1.7b trl-1.7b mfu" (default: the first three);
+# PIPE_ITERS / TRL_ITERS set the iterations of each run (default 3 / 2), PIPE_TIMEOUT / TRL_TIMEOUT
+# the seconds each may take (default 300 / 300); a pipeline run cut short is read back for the
+# iterations it committed.
+set -o pipefail
+OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
+STEPS=${STEPS:-test pipe-0.6b trl-0.6b}
+PIPE_ITERS=${PIPE_ITERS:-3}; TRL_ITERS=${TRL_ITERS:-2}; PIPE_TIMEOUT=${PIPE_TIMEOUT:-300}; TRL_TIMEOUT=${TRL_TIMEOUT:-300}
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 CUDA_DEVICE_MAX_CONNECTIONS=1 \
+  NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
+  HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONWARNINGS=ignore TRL_EXPERIMENTAL_SILENCE=1 \
+  DO_NOT_TRACK=1 PREFECT_SERVER_ANALYTICS_ENABLED=false
+{ nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm --format=csv
+  python3 -c "import torch, megatron.core, transformers, prefect, mlflow, trl; print(torch.__version__, torch.version.cuda, megatron.core.__version__, transformers.__version__, prefect.__version__, mlflow.__version__, trl.__version__)"
+} 2>&1 | tee "$OUT/env.log"
+has() { [[ " $STEPS " == *" $1 "* ]]; }
+if has test; then
+  timeout 180 python3 -m pytest tests/gpu/test_gpu_pipeline.py -v -p no:cacheprovider -o addopts="" > "$OUT/gpu_tests.log" 2>&1
+  grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/gpu_tests.log" | tail -8
+fi
+for shape in 0.6b 1.7b; do
+  if has "pipe-$shape"; then
+    timeout -k 5 $PIPE_TIMEOUT python3 -m benchmarks.gpu.pipeline_run --shape $shape --out /tmp/pipe-$shape \
+      --iterations $PIPE_ITERS > "$OUT/pipeline_$shape.log" 2>&1 ||
+      python3 -m benchmarks.gpu.pipeline_run --shape $shape --out /tmp/pipe-$shape --read-only >> "$OUT/pipeline_$shape.log" 2>&1
+  fi
+  if has "trl-$shape"; then
+    timeout -k 5 $TRL_TIMEOUT python3 -m benchmarks.gpu.trl_sdpo --shape $shape --out /tmp/trl-$shape --iterations $TRL_ITERS \
+      > "$OUT/trl_$shape.log" 2>&1
+  fi
+done
+if has mfu; then
+  timeout 200 python3 benchmarks/gpu/model_throughput.py --shapes 1.7b --fused true > "$OUT/model_1.7b.log" 2>&1
+fi
+for f in "$OUT"/pipeline_*.log "$OUT"/trl_*.log "$OUT"/model_*.log; do
+  [[ -f "$f" ]] || continue
+  echo "== $f"; grep -E "^RESULT|Error|error:" "$f" | cut -c1-900 | tail -8
+done
