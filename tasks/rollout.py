@@ -33,7 +33,9 @@ def get_engine(rollout: RolloutConfig, policy_dir: Path, *, cache_key: str) -> A
             from tasks.engines.embedded import EmbeddedEngine
 
             dtype = torch.bfloat16 if rollout.dtype == "bfloat16" else torch.float32
-            engine = EmbeddedEngine(str(policy_dir), device=rollout.device, dtype=dtype, max_batch_size=rollout.batch_size)
+            engine = EmbeddedEngine(
+                str(policy_dir), device=rollout.device, dtype=dtype, max_batch_size=rollout.batch_size
+            )
         else:
             from tasks.engines.sglang.client import SGLangEngine
 

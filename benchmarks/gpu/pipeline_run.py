@@ -44,7 +44,7 @@ def write_policy(shape: str, out: Path, *, vocab: int = VOCAB) -> Path:
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from tasks.bootstrap import build_tokenizer
+    from tasks.data.bootstrap_model import build_tokenizer
 
     build_tokenizer(out)
     tokenizer_json = out / "tokenizer.json"

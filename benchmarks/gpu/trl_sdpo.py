@@ -44,7 +44,7 @@ def main() -> None:
     from benchmarks.gpu.pipeline_run import write_policy
     from sdpo_core.verifiers.arithmetic import TRUNCATED, final_answer
     from tasks.config import DataConfig
-    from tasks.data import load_splits
+    from tasks.data.prompts import load_splits
 
     out = args.out.resolve()
     policy = write_policy(args.shape, out / f"policy-{args.shape}", vocab=args.vocab)
