@@ -44,9 +44,9 @@ def sdpo_iteration(root: str, run: str, iteration: int, launch: dict[str, Any] |
     return stages.commit(root, run, iteration, [rollout, teacher, trained])
 
 
-def eval_due(n: int, *, every: int, last: int) -> bool:
-    """The base model, the last iteration and every `every`-th are evaluated."""
-    return n == 0 or n == last or (every > 0 and n % every == 0)
+def eval_due(n: int, *, enabled: bool, every: int, last: int) -> bool:
+    """The base model, the last iteration and every `every`-th are evaluated; none when disabled."""
+    return enabled and (n == 0 or n == last or (every > 0 and n % every == 0))
 
 
 def describe_iteration(n: int, total: int, metrics: dict[str, float]) -> str:
@@ -87,7 +87,7 @@ def complete_iteration(run: Any, tracker: Any, n: int) -> tuple[dict[str, float]
             sdpo_iteration(root, name, n, launch)
             ran = True
         metrics.update(read_iteration_manifest(run.layout, n).data["metrics"])
-    if eval_due(n, every=cfg.eval.every, last=cfg.iterations):
+    if eval_due(n, enabled=cfg.eval.enabled, every=cfg.eval.every, last=cfg.iterations):
         evaluated = read_eval(run.layout, n)
         metrics.update(evaluated if evaluated is not None else stages.evaluate(root, name, n, launch["eval"]))
     logged = tracker.log_step(n, metrics)

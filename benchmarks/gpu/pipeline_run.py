@@ -11,8 +11,10 @@
    iteration's wall time from the commit manifests' `created_at` (iteration n: commit n-1 to
    commit n), and the peak GPU memory from MLflow's `system/gpu_0_memory_usage_megabytes`.
 
-Prints one `RESULT {json}` line per iteration and one for the run. Iteration 1 also holds the
-base model's evaluation and torch.compile's first compilation; iterations 2.. are the steady state.
+Prints one `RESULT {json}` line per iteration and one for the run. Iteration 1 also holds
+torch.compile's first compilation and the CUDA warm-up; iterations 2.. are the steady state.
+`--timeout` stops the run (its whole process group, so no child keeps the GPU) after that many
+seconds and reads back the iterations it committed.
 A random-init model solves no prompt: every answer runs to `rollout.max_new_tokens`, and the
 teacher sees the verifier's feedback (no peer solution) in its context.
 """
@@ -23,6 +25,7 @@ import argparse
 import datetime as dt
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -104,6 +107,10 @@ def read_run(root: str, name: str, *, tracking_uri: str) -> dict[str, Any]:
         compute = sum(metrics[c] for _, c, _ in COMPUTE.values())
         row["outside_compute_share"] = round((wall - compute) / wall, 4)
         row["megatron_save_s"] = round(metrics.get("train/megatron_save_seconds", 0.0), 2)
+        # the train stage less training and the full-state save: HF export, EMA teacher, uploads
+        row["train_outputs_s"] = round(
+            metrics["train/stage_seconds"] - metrics["train/seconds"] - row["megatron_save_s"], 2
+        )
         row["train_loss"] = metrics.get("train/loss")
         row["sample_mask_fraction"] = metrics.get("sdpo/sample_mask_fraction")
         iterations.append(row)
@@ -124,6 +131,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True, help="a folder for the model, the run and its MLflow store")
     parser.add_argument("--iterations", type=int, default=3)
     parser.add_argument("--vocab", type=int, default=VOCAB)
+    parser.add_argument("--timeout", type=float, default=None, help="stop the run after this many seconds")
     parser.add_argument(
         "--read-only", action="store_true", help="only read back the run already under --out (its committed iterations)"
     )
@@ -147,8 +155,22 @@ def main() -> None:
         ]
         env = {**os.environ, "MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL": "2", "PREFECT_HOME": str(out / "prefect")}
         started = time.perf_counter()
-        subprocess.run([sys.executable, "-m", "flows.cli", "run", str(CONFIG), *overrides], env=env, check=True)
-        run_s = round(time.perf_counter() - started, 1)
+        command = [sys.executable, "-m", "flows.cli", "run", str(CONFIG), *overrides]
+        process = subprocess.Popen(command, env=env, start_new_session=True)
+        try:
+            code = process.wait(timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            print(f"stopping the run after {args.timeout} s; reading back what it committed", flush=True)
+            os.killpg(process.pid, signal.SIGTERM)
+            try:
+                process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+        else:
+            if code != 0:
+                raise SystemExit(f"sdpo run exited with {code}")
+            run_s = round(time.perf_counter() - started, 1)
 
     result = read_run(str(out / "runs"), name, tracking_uri=tracking_uri)
     for row in result["iterations"]:

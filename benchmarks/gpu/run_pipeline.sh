@@ -5,8 +5,8 @@
 # mlflow-skinny, TRL, datasets and what they need that the image lacks.
 # STEPS picks among "test pipe-0.6b trl-0.6b pipe-1.7b trl-1.7b mfu" (default: the first three);
 # PIPE_ITERS / TRL_ITERS set the iterations of each run (default 3 / 2), PIPE_TIMEOUT / TRL_TIMEOUT
-# the seconds each may take (default 300 / 300); a pipeline run cut short is read back for the
-# iterations it committed.
+# the seconds each may take (default 300 / 300); a pipeline run cut short is stopped with its
+# whole process group and read back for the iterations it committed.
 set -o pipefail
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 STEPS=${STEPS:-test pipe-0.6b trl-0.6b}
@@ -25,14 +25,14 @@ if has test; then
   grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/gpu_tests.log" | tail -8
 fi
 for shape in 0.6b 1.7b; do
-  if has "pipe-$shape"; then
-    timeout -k 5 $PIPE_TIMEOUT python3 -m benchmarks.gpu.pipeline_run --shape $shape --out /tmp/pipe-$shape \
-      --iterations $PIPE_ITERS > "$OUT/pipeline_$shape.log" 2>&1 ||
-      python3 -m benchmarks.gpu.pipeline_run --shape $shape --out /tmp/pipe-$shape --read-only >> "$OUT/pipeline_$shape.log" 2>&1
-  fi
+  # TRL first: the pipeline run is stopped as a process group, but nothing may hold the GPU before TRL
   if has "trl-$shape"; then
     timeout -k 5 $TRL_TIMEOUT python3 -m benchmarks.gpu.trl_sdpo --shape $shape --out /tmp/trl-$shape --iterations $TRL_ITERS \
       > "$OUT/trl_$shape.log" 2>&1
+  fi
+  if has "pipe-$shape"; then
+    python3 -m benchmarks.gpu.pipeline_run --shape $shape --out /tmp/pipe-$shape --iterations $PIPE_ITERS \
+      --timeout $PIPE_TIMEOUT > "$OUT/pipeline_$shape.log" 2>&1
   fi
 done
 if has mfu; then

@@ -302,7 +302,21 @@ class TrainConfig(Section):
 
 
 class EvalConfig(Section):
+    enabled: bool = Field(
+        True,
+        description="evaluate inside runs at all; false = no evaluation, not even of the base model or the last "
+        "iteration (needs eval.every=0; `sdpo eval` still evaluates any checkpoint on demand)",
+    )
     every: int = Field(5, ge=0, description="evaluate every N iterations (0 = only before and after)")
     sampled_n: int = Field(4, ge=1, description="samples per prompt for sampled accuracy")
     temperature: float = Field(0.6, ge=0)
     top_p: float = Field(0.95, gt=0, le=1)
+
+    @model_validator(mode="after")
+    def _every_needs_enabled(self) -> EvalConfig:
+        if not self.enabled and self.every > 0:
+            raise ValueError(
+                f"eval.enabled=false with eval.every={self.every}: set eval.every=0, or eval.enabled=true "
+                "to evaluate every N iterations"
+            )
+        return self

@@ -75,6 +75,14 @@ class RunConfig(Section):
                 raise ValueError(
                     f"launch.{stage}: {world} ranks are not a multiple of train.tensor_parallel={self.train.tensor_parallel}"
                 )
+        if not self.eval.enabled:
+            for kind in ("resumable", "weights"):
+                rule = getattr(self.storage.retention, kind)
+                if rule.best is not None:
+                    raise ValueError(
+                        f"storage.retention.{kind}.best={rule.best!r} ranks iterations by an evaluation, but "
+                        "eval.enabled=false runs none; remove the rule or set eval.enabled=true"
+                    )
         per_iter = self.data.prompts_per_iteration * self.rollout.group_size
         if per_iter % self.train.steps_per_iteration:
             raise ValueError(

@@ -24,6 +24,7 @@ __all__ = ["EmbeddedEngine"]
 logger = logging.getLogger(__name__)
 
 _PAD_ID = 0  # what fills padded slots; they are masked out, so any valid id works
+_GPU_STOP_CHECK_EVERY = 16  # decode steps between checks that every row has stopped, on a GPU
 
 
 class EmbeddedEngine(RolloutEngine):
@@ -139,6 +140,9 @@ class EmbeddedEngine(RolloutEngine):
         logits = out.logits[:, -1, :].float()  # [B, V]
         next_position = lengths.clone()  # [B]
         finished = torch.zeros(batch, dtype=torch.bool, device=device)
+        # asking whether every row has stopped waits for the device; on a GPU ask every few steps so the
+        # host keeps queueing work (steps past the last stop are masked out below, so the result is the same)
+        sync_every = 1 if device.type == "cpu" else _GPU_STOP_CHECK_EVERY
         steps_tokens, steps_logprob, steps_topk_ids, steps_topk_lp, steps_active = [], [], [], [], []
         for step in range(max_new_tokens):
             logprobs = torch.log_softmax(logits, dim=-1)  # [B, V]
@@ -153,7 +157,7 @@ class EmbeddedEngine(RolloutEngine):
             steps_topk_lp.append(topk_lp)
             steps_active.append(~finished)
             finished = finished | torch.isin(token, stop_ids)
-            if bool(finished.all()) or step == max_new_tokens - 1:
+            if step == max_new_tokens - 1 or (step % sync_every == sync_every - 1 and bool(finished.all())):
                 break
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones(batch, 1)], dim=1)
             out = model(

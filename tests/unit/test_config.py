@@ -130,3 +130,21 @@ def test_sglang_rollouts_take_no_embedded_engine_placement():
 def test_an_unknown_engine_device_names_the_field():
     with pytest.raises(ConfigError, match=r"rollout\.device: Input should be 'cpu' or 'cuda'"):
         load_config(None, ["rollout.device=gpu"])
+
+
+def test_evaluation_can_be_switched_off_only_without_a_cadence_or_best_rule():
+    cfg = load_config(None, ["eval.enabled=false", "eval.every=0"])
+    assert cfg.eval.enabled is False
+    with pytest.raises(ConfigError, match=r"eval: eval.enabled=false with eval.every=5: set eval.every=0"):
+        load_config(None, ["eval.enabled=false"])
+    with pytest.raises(ConfigError, match=r"storage.retention.weights.best='eval/greedy_accuracy' ranks"):
+        load_config(None, ["eval.enabled=false", "eval.every=0", "storage.retention.weights.best=eval/greedy_accuracy"])
+
+
+def test_eval_due_evaluates_the_base_the_cadence_and_the_last_unless_disabled():
+    from flows.iteration import eval_due
+
+    due = [n for n in range(6) if eval_due(n, enabled=True, every=2, last=5)]
+    assert due == [0, 2, 4, 5]
+    assert [n for n in range(7) if eval_due(n, enabled=True, every=0, last=5)] == [0, 5]
+    assert not any(eval_due(n, enabled=False, every=0, last=5) for n in range(7))
