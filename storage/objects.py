@@ -52,6 +52,16 @@ def sha256_local_file(path: str | os.PathLike[str]) -> str:
     return digest.hexdigest()
 
 
+def _copy_hashing(source: str | os.PathLike[str], target: str) -> str:
+    """Copy `source` to `target` and return the sha256 of the bytes copied."""
+    digest = hashlib.sha256()
+    with open(source, "rb") as src, open(target, "wb") as dst:
+        for chunk in iter(lambda: src.read(_HASH_CHUNK), b""):
+            digest.update(chunk)
+            dst.write(chunk)
+    return digest.hexdigest()
+
+
 class HashingSink(io.RawIOBase):
     """Write-through file object that counts bytes and hashes them as they pass (no re-read)."""
 
@@ -335,26 +345,30 @@ class ObjectStore:
 
         call_with_retry(call, policy=self.retry, what=f"conditional {method} {url}")
 
-    def put_local_file(self, local_path: str | os.PathLike[str], url: str) -> None:
-        """Upload (or copy) one local file to `url`, whole-file retried on s3."""
+    def put_local_file(self, local_path: str | os.PathLike[str], url: str) -> str:
+        """Upload (or copy) one local file to `url`, whole-file retried on s3; returns its sha256.
+
+        On file:// the digest is taken from the bytes as they are copied (one read of the file)."""
         path = self.path(url)
         if self.backend == "file":
             self._ensure_parent(path)
-            self._call(lambda: shutil.copyfile(local_path, path), "copy", url)
-            return
+            return str(self._call(lambda: _copy_hashing(local_path, path), "copy", url))
+        digest = sha256_local_file(local_path)
         if self.backend == "memory":
             self.fs.pipe_file(path, Path(local_path).read_bytes())
-            return
+            return digest
         self._call(lambda: self.fs.put_file(os.fspath(local_path), path), "upload", url)
+        return digest
 
-    def get_to_local(self, url: str, local_path: str | os.PathLike[str]) -> None:
-        """Download (or copy) `url` to a local file, whole-file retried on s3."""
+    def get_to_local(self, url: str, local_path: str | os.PathLike[str]) -> str | None:
+        """Download (or copy) `url` to a local file, whole-file retried on s3. Returns the sha256 of
+        the bytes on file:// (taken as they are copied), None where it was not computed on the way."""
         path = self.path(url)
         os.makedirs(os.path.dirname(os.fspath(local_path)), exist_ok=True)
         if self.backend == "file":
-            self._call(lambda: shutil.copyfile(path, local_path), "copy", url)
-            return
+            return str(self._call(lambda: _copy_hashing(path, local_path), "copy", url))
         self._call(lambda: self.fs.get_file(path, os.fspath(local_path)), "download", url)
+        return None
 
     def open_write(self, url: str) -> IO[bytes]:
         """A streaming writer for file:// and memory:// (s3 writes are spooled and uploaded whole)."""

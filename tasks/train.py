@@ -18,19 +18,57 @@ from tasks.runtime import Run
 logger = logging.getLogger(__name__)
 
 
-def update_teacher(run: Run, iteration: int, policy_dir: Path, out_dir: Path) -> bool:
-    """Write the EMA teacher of `iteration` into out_dir; False when the mode keeps no teacher copy."""
+# the EMA teacher this process stored last, by the sha256 of its stored weights file: the next
+# iteration's update starts from it instead of reading the stored copy back
+_EMA_TEACHER: dict[str, dict[str, Any]] = {}
+_WEIGHTS_FILE = "model.safetensors"
+
+
+def update_teacher(run: Run, iteration: int, policy_dir: Path, out_dir: Path) -> dict[str, Any] | None:
+    """Write the EMA teacher of `iteration` into out_dir and return its weights; None when the
+    mode keeps no teacher copy."""
     if run.cfg.teacher.update != "ema":
-        return False
+        return None
+    return ema_teacher_folder(_previous_teacher(run, iteration), policy_dir, out_dir, rate=run.cfg.teacher.update_rate)
+
+
+def remember_teacher(manifest: Any, weights: dict[str, Any]) -> None:
+    """Keep the teacher just stored (its checkpoint manifest) in memory for the next update."""
+    _EMA_TEACHER.clear()
+    _EMA_TEACHER[_weights_digest(manifest)] = weights
+
+
+def _weights_digest(manifest: Any) -> str:
+    (digest,) = [e["sha256"] for e in manifest.data["files"] if e["name"] == _WEIGHTS_FILE]
+    return str(digest)
+
+
+def _previous_teacher(run: Run, iteration: int) -> dict[str, Any]:
+    """The EMA teacher iteration `iteration` starts from (the initial policy for the first), float32:
+    the copy in memory when it is the stored one (same sha256), else read from the store."""
+    from storage.checkpoints import resolve_checkpoint
     from tasks.runtime import teacher_source
 
+    kind = "policy" if iteration == 1 else "teacher"
+    digest = _weights_digest(resolve_checkpoint(run.layout, f"iter-{iteration - 1}", kind))
+    kept = _EMA_TEACHER.pop(digest, None)
+    if kept is not None:
+        logger.info("EMA teacher of iteration %d: starting from the copy in memory (%s)", iteration, digest[:12])
+        return kept
     previous, _ = teacher_source(run, iteration)
-    ema_teacher_folder(previous, policy_dir, out_dir, rate=run.cfg.teacher.update_rate)
-    return True
+    return load_teacher_weights(previous)
 
 
-def ema_teacher_folder(previous: Path, policy_dir: Path, out_dir: Path, *, rate: float) -> None:
-    """`out_dir` = the policy folder with its weights replaced by the EMA teacher's, kept in float32.
+def load_teacher_weights(folder: Path) -> dict[str, Any]:
+    """A checkpoint folder's weights with its floating tensors in float32 (the EMA's master copy)."""
+    from safetensors.torch import load_file
+
+    return {k: v.float() if v.is_floating_point() else v for k, v in load_file(str(folder / _WEIGHTS_FILE)).items()}
+
+
+def ema_teacher_folder(teacher: dict[str, Any], policy_dir: Path, out_dir: Path, *, rate: float) -> dict[str, Any]:
+    """`out_dir` = the policy folder with its weights replaced by the EMA teacher's, kept in float32;
+    `teacher` (float32, updated in place) is returned.
 
     The teacher is the EMA's master copy: with bf16 weights and tau = 0.05, an update of 5% of a
     weight's distance to the student rounds away for most weights and the teacher would never move,
@@ -42,13 +80,11 @@ def ema_teacher_folder(previous: Path, policy_dir: Path, out_dir: Path, *, rate:
 
     from sdpo_core.teacher_update import ema_update_
 
-    teacher = {
-        k: v.float() if v.is_floating_point() else v for k, v in load_file(str(previous / "model.safetensors")).items()
-    }
-    student = load_file(str(policy_dir / "model.safetensors"))
+    student = load_file(str(policy_dir / _WEIGHTS_FILE))
     ema_update_(teacher, student, rate=rate)
-    shutil.copytree(policy_dir, out_dir, dirs_exist_ok=True)
-    save_file(teacher, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    shutil.copytree(policy_dir, out_dir, dirs_exist_ok=True, ignore=shutil.ignore_patterns(_WEIGHTS_FILE))
+    save_file(teacher, str(out_dir / _WEIGHTS_FILE), metadata={"format": "pt"})
+    return teacher
 
 
 @contextlib.contextmanager
@@ -89,7 +125,7 @@ def run_train(root: str, run_name: str, iteration: int) -> dict | None:
     """
     import torch.distributed as dist
 
-    from storage.checkpoints import discard_checkpoint, resolve_checkpoint, upload_checkpoint
+    from storage.checkpoints import adopt_into_cache, discard_checkpoint, resolve_checkpoint, upload_checkpoint
     from storage.faults import crash_point
     from storage.layout import CHECKPOINT_KINDS
     from storage.manifest import read_stage_manifest, stage_done
@@ -129,6 +165,7 @@ def run_train(root: str, run_name: str, iteration: int) -> dict | None:
         policy_dir = tmp_path / "policy"
         trainer.save_hf(policy_dir, base_dir)  # collective; rank 0 writes
         produced = []
+        uploaded: list[tuple[Path, Any]] = []  # (folder, its checkpoint manifest): weights the next stages load
         if rank == 0:
             policy_manifest = upload_checkpoint(
                 policy_dir,
@@ -139,13 +176,16 @@ def run_train(root: str, run_name: str, iteration: int) -> dict | None:
                 trained_on=[parent],
             )
             produced.append(policy_manifest)
+            uploaded.append((policy_dir, policy_manifest))
             teacher_dir = tmp_path / "teacher"
-            if update_teacher(run, iteration, policy_dir, teacher_dir):
-                produced.append(
-                    upload_checkpoint(
-                        teacher_dir, run.layout, iteration, "teacher", parent=policy_manifest, trained_on=[parent]
-                    )
+            teacher = update_teacher(run, iteration, policy_dir, teacher_dir)
+            if teacher is not None:
+                teacher_manifest = upload_checkpoint(
+                    teacher_dir, run.layout, iteration, "teacher", parent=policy_manifest, trained_on=[parent]
                 )
+                remember_teacher(teacher_manifest, teacher)
+                produced.append(teacher_manifest)
+                uploaded.append((teacher_dir, teacher_manifest))
         last = iteration == cfg.iterations
         if last or iteration % cfg.train.megatron_checkpoint_every == 0:
             save_started = time.perf_counter()
@@ -161,6 +201,8 @@ def run_train(root: str, run_name: str, iteration: int) -> dict | None:
                     upload_checkpoint(mdir, run.layout, iteration, "megatron", parent=produced[0], trained_on=[parent])
                 )
             metrics["train/megatron_save_seconds"] = time.perf_counter() - save_started
+        for folder, manifest in uploaded:  # the next stages read these from the cache, not from the store
+            adopt_into_cache(folder, manifest, cache_dir=cfg.storage.cache_dir)
     if rank != 0:
         return None
     metrics["train/stage_seconds"] = time.perf_counter() - started

@@ -16,11 +16,12 @@ THREE = {**TINY, "iterations": 3, "eval": {"every": 2, "sampled_n": 2}}
 
 def _forget_process_state() -> None:
     """What a new process would not have: the trainer and the rollout engines kept between stages."""
-    from tasks import rollout
+    from tasks import rollout, train
     from tasks.megatron import resume
 
     resume._TRAINERS.clear()
     rollout._ENGINES.clear()
+    train._EMA_TEACHER.clear()
 
 
 @pytest.mark.parametrize(

@@ -21,11 +21,12 @@ ALL_SUBPROCESS = {stage: {"launcher": "subprocess"} for stage in ("rollout", "te
 def _run(tmp_path: Path, name: str, base: dict, **sections) -> object:
     from flows.run import sdpo_run
     from storage.layout import RunLayout
-    from tasks import rollout
+    from tasks import rollout, train
     from tasks.megatron import resume
 
     resume._TRAINERS.clear()
     rollout._ENGINES.clear()
+    train._EMA_TEACHER.clear()
     folder = tmp_path / name
     sdpo_run(str(write_config(folder, "placed", root=str(folder / "runs"), base=base, **sections)), [])
     return RunLayout(str(folder / "runs"), "placed")

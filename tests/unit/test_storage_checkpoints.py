@@ -90,6 +90,52 @@ def test_cached_checkpoint_is_reused_without_downloading(
     assert download_checkpoint(layout, "iter-0", "policy", cache_dir=tmp_path / "cache") == first
 
 
+def test_an_adopted_upload_folder_is_the_cached_copy_and_still_checked(
+    layout: RunLayout, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from storage.checkpoints import adopt_into_cache
+
+    source = _megatron_like(tmp_path / "scratch" / "ckpt")
+    expected = {p.relative_to(source).as_posix(): p.read_bytes() for p in source.rglob("*") if p.is_file()}
+    manifest = upload_checkpoint(source, layout, 0, "policy", parent=None)
+    adopted = adopt_into_cache(source, manifest, cache_dir=tmp_path / "cache")
+    assert adopted == tmp_path / "cache" / manifest.sha256 and not source.exists()  # moved, not copied
+
+    def no_download(*args: object) -> None:
+        raise AssertionError("downloaded although adopted")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(ObjectStore, "get_to_local", no_download)
+        assert download_checkpoint(layout, 0, "policy", cache_dir=tmp_path / "cache") == adopted
+    assert {n: (adopted / n).read_bytes() for n in expected} == expected
+    # the adopted copy is checked like any cached one: a damaged byte is noticed and downloaded again
+    damaged = bytearray((adopted / "hf" / "model.safetensors").read_bytes())
+    damaged[0] ^= 0xFF
+    (adopted / "hf" / "model.safetensors").write_bytes(bytes(damaged))
+    again = download_checkpoint(layout, 0, "policy", cache_dir=tmp_path / "cache")
+    assert (again / "hf" / "model.safetensors").read_bytes() == expected["hf/model.safetensors"]
+
+
+def test_a_folder_that_is_not_the_upload_is_not_adopted(layout: RunLayout, tmp_path: Path) -> None:
+    from storage.checkpoints import adopt_into_cache
+
+    source = _megatron_like(tmp_path / "ckpt")
+    manifest = upload_checkpoint(source, layout, 0, "policy", parent=None)
+    (source / "extra.txt").write_text("not uploaded")
+    with pytest.raises(ValueError, match=r"is not the upload of .*extra \['extra.txt'\]"):
+        adopt_into_cache(source, manifest, cache_dir=tmp_path / "cache")
+
+
+def test_uploads_and_downloads_return_the_digest_of_the_bytes_they_moved(layout: RunLayout, tmp_path: Path) -> None:
+    local = tmp_path / "blob.bin"
+    local.write_bytes(np.random.default_rng(1).bytes(3 * 2**20 + 17))
+    url = layout.url("blobs/blob.bin")
+    assert layout.store.put_local_file(local, url) == sha256_local_file(local)
+    copied = layout.store.get_to_local(url, tmp_path / "back.bin")
+    assert copied in (None, sha256_local_file(local))  # file:// hashes on the way; memory:// does not
+    assert (tmp_path / "back.bin").read_bytes() == local.read_bytes()
+
+
 def test_damaged_cache_is_downloaded_again(layout: RunLayout, tmp_path: Path) -> None:
     source = _megatron_like(tmp_path / "ckpt")
     upload_checkpoint(source, layout, 0, "policy", parent=None)

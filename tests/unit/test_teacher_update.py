@@ -88,7 +88,7 @@ def test_the_ema_teacher_of_a_bf16_policy_moves_because_it_is_kept_in_float32(tm
     import torch
     from safetensors.torch import load_file, save_file
 
-    from tasks.train import ema_teacher_folder
+    from tasks.train import ema_teacher_folder, load_teacher_weights
 
     torch.manual_seed(0)
     base = torch.randn(4096).to(torch.bfloat16)
@@ -103,7 +103,8 @@ def test_the_ema_teacher_of_a_bf16_policy_moves_because_it_is_kept_in_float32(tm
         (policy / "config.json").write_text("{}")
         save_file({"w": student.to(torch.bfloat16)}, str(policy / "model.safetensors"))
         out = tmp_path / f"teacher-{step + 1}"
-        ema_teacher_folder(previous, policy, out, rate=0.05)
+        weights = ema_teacher_folder(load_teacher_weights(previous), policy, out, rate=0.05)
+        assert torch.equal(weights["w"], load_file(str(out / "model.safetensors"))["w"])  # what was stored
         previous = out
     teacher = load_file(str(previous / "model.safetensors"))["w"]
     assert teacher.dtype == torch.float32 and (previous / "config.json").exists()

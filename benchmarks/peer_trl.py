@@ -1,0 +1,159 @@
+"""`sdpo run` beside TRL's `SDPOTrainer` on the same work, on this machine: medians, ratios, peak RSS.
+
+    make bench-trl                       # builds .sdpo/bench-venv (TRL beside this project's venv), runs this
+    .sdpo/bench-venv/bin/python benchmarks/peer_trl.py [--sizes small large long] [--pairs 2]
+
+Both sides get the same model folder (benchmarks/gpu/pipeline_run.py's random-init Qwen3 of
+`--shape`, float32 here), the same arithmetic prompts, G answers per prompt, the same new-token
+limit, top-K 16 + tail, alpha 0.5, EMA teacher (tau 0.05), lr 1e-6 and one optimizer step per
+iteration. Ours is the CLI (benchmarks/gpu/pipeline.yaml with CPU placement: Prefect flow, shards,
+manifests, HF and EMA checkpoints every iteration, MLflow); TRL's is
+benchmarks/gpu/trl_sdpo.py. Runs alternate A/B/A/B, TRL first in each pair. Each side's figure is
+its steady iteration (iterations 2 onward, mean per run), the median over pairs; peak RSS is the
+whole process tree's (the CLI's Prefect server and stage processes included), sampled every 0.2 s.
+TRL's trainer is imported from the bench venv, never from the project's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+REPO = Path(__file__).resolve().parents[1]
+PROJECT_PYTHON = REPO / ".venv" / "bin" / "python"
+# name -> (prompts per iteration, answers per prompt, max new tokens, micro-batch of TRL's step)
+SIZES = {"small": (8, 8, 8, 8), "large": (64, 8, 64, 32), "long": (64, 8, 256, 32)}
+CPU = [
+    "model.dtype=float32",
+    "rollout.device=cpu",
+    "rollout.dtype=float32",
+    "rollout.top_k=16",
+    "train.fused_kernels=false",
+    "train.loss_compile=false",
+    "train.loss_chunk_tokens=0",
+]
+
+
+def run_measured(command: list[str], *, env: dict[str, str], log: Path) -> tuple[list[dict[str, Any]], float, float]:
+    """Run `command`; (its RESULT records, wall seconds, peak RSS of its process tree in GiB)."""
+    peak = 0.0
+    with log.open("w") as out:
+        started = time.perf_counter()
+        process = subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+        root = psutil.Process(process.pid)
+        done = threading.Event()
+
+        def sample() -> None:
+            nonlocal peak
+            while not done.is_set():
+                try:
+                    tree = [root, *root.children(recursive=True)]
+                    peak = max(peak, sum(p.memory_info().rss for p in tree if p.is_running()) / 2**30)
+                except psutil.Error:
+                    pass  # a process of the tree ended between the listing and the reading
+                done.wait(0.2)
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        code = process.wait()
+        done.set()
+        sampler.join()
+        wall = time.perf_counter() - started
+    if code != 0:
+        raise SystemExit(f"{' '.join(command[:4])} ... exited with {code}; its output is in {log}")
+    records = [json.loads(line[7:]) for line in log.read_text().splitlines() if line.startswith("RESULT ")]
+    return records, wall, peak
+
+
+def one_pair(size: str, pair: int, args: argparse.Namespace, env: dict[str, str]) -> dict[str, Any]:
+    prompts, group, tokens, micro = SIZES[size]
+    out = args.out / f"{size}-{pair}"
+    trl, trl_wall, trl_rss = run_measured(
+        [sys.executable, "-m", "benchmarks.gpu.trl_sdpo", "--shape", args.shape, "--vocab", str(args.vocab)]
+        + ["--out", str(out / "trl"), "--iterations", str(args.iterations), "--prompts", str(prompts)]
+        + ["--group", str(group), "--new-tokens", str(tokens), "--top-k", "16", "--micro-batch", str(micro)],
+        env=env,
+        log=out.with_suffix(".trl.log"),
+    )
+    ours, ours_wall, ours_rss = run_measured(
+        [str(PROJECT_PYTHON), "-m", "benchmarks.gpu.pipeline_run", "--shape", args.shape, "--vocab", str(args.vocab)]
+        + ["--out", str(out / "ours"), "--iterations", str(args.iterations), *CPU]
+        + [f"data.prompts_per_iteration={prompts}", f"rollout.group_size={group}"]
+        + [f"rollout.max_new_tokens={tokens}", f"rollout.batch_size={prompts * group}"],
+        env=env,
+        log=out.with_suffix(".ours.log"),
+    )
+    (trl_run,) = [r for r in trl if r["bench"] == "trl"]
+    (our_run,) = [r for r in ours if r["bench"] == "pipeline"]
+    steady = our_run["steady_mean"]
+    return {
+        "size": size,
+        "pair": pair,
+        "trl_s": trl_run["steady_mean_s"],
+        "ours_s": steady["wall_s"],
+        "ours_compute_s": round(
+            steady["rollout_compute_s"] + steady["teacher_compute_s"] + steady["train_compute_s"], 3
+        ),
+        "outside_stages_share": steady["outside_stages_share"],
+        "outside_compute_share": steady["outside_compute_share"],
+        "trl_process_s": round(trl_wall, 1),
+        "ours_process_s": round(ours_wall, 1),
+        "trl_peak_rss_gib": round(trl_rss, 2),
+        "ours_peak_rss_gib": round(ours_rss, 2),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", nargs="+", choices=sorted(SIZES), default=["small", "large"])
+    parser.add_argument("--pairs", type=int, default=2)
+    parser.add_argument("--iterations", type=int, default=4, help="per run; iteration 1 is warm-up")
+    parser.add_argument("--shape", default="tiny")
+    parser.add_argument("--vocab", type=int, default=1024)
+    parser.add_argument("--out", type=Path, default=Path(".sdpo/bench-trl"))
+    args = parser.parse_args()
+    import trl  # noqa: F401  (fails here, before any run, outside the bench venv)
+
+    args.out = args.out.resolve()
+    args.out.mkdir(parents=True, exist_ok=True)
+    threads = {k: "2" for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    env = {
+        **os.environ,
+        **threads,
+        "PYTHONPATH": str(REPO),
+        "TRL_EXPERIMENTAL_SILENCE": "1",
+        "PYTHONWARNINGS": "ignore",
+    }
+    rows = []
+    for size in args.sizes:
+        for pair in range(args.pairs):
+            row = one_pair(size, pair, args, env)
+            rows.append(row)
+            print("RESULT " + json.dumps({"bench": "peer_trl_pair", **row}), flush=True)
+    print(
+        "\n| work | TRL s/step | ours s/iteration | ours / TRL | ours compute s | outside stages | peak RSS ours / TRL GiB |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for size in args.sizes:
+        mine = [r for r in rows if r["size"] == size]
+        med = {k: statistics.median(r[k] for r in mine) for k in mine[0] if k not in ("size", "pair")}
+        prompts, group, tokens, _ = SIZES[size]
+        print(
+            f"| {prompts} × {group}, ≤ {tokens} new tokens | {med['trl_s']:.2f} | {med['ours_s']:.2f} | "
+            f"**{med['ours_s'] / med['trl_s']:.2f}** | {med['ours_compute_s']:.2f} | {med['outside_stages_share']:.1%} | "
+            f"{med['ours_peak_rss_gib']:.2f} / {med['trl_peak_rss_gib']:.2f} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
