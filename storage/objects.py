@@ -52,7 +52,7 @@ def sha256_local_file(path: str | os.PathLike[str]) -> str:
     return digest.hexdigest()
 
 
-def _copy_hashing(source: str | os.PathLike[str], target: str) -> str:
+def _copy_hashing(source: str | os.PathLike[str], target: str | os.PathLike[str]) -> str:
     """Copy `source` to `target` and return the sha256 of the bytes copied."""
     digest = hashlib.sha256()
     with open(source, "rb") as src, open(target, "wb") as dst:
