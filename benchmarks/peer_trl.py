@@ -9,7 +9,8 @@ limit, top-K 16 + tail, alpha 0.5, EMA teacher (tau 0.05), lr 1e-6 and one optim
 iteration. Ours is the CLI (benchmarks/gpu/pipeline.yaml with CPU placement: Prefect flow, shards,
 manifests, HF and EMA checkpoints every iteration, MLflow); TRL's is
 benchmarks/gpu/trl_sdpo.py. Runs alternate A/B/A/B, TRL first in each pair. Each side's figure is
-its steady iteration (iterations 2 onward, mean per run), the median over pairs; peak RSS is the
+its steady iteration (the median of iterations 2 onward in a run, so our last iteration's full-state
+save counts once, not as a mean), then the median over pairs; peak RSS is the
 whole process tree's (the CLI's Prefect server and stage processes included), sampled every 0.2 s.
 TRL's trainer is imported from the bench venv, never from the project's.
 """
@@ -94,18 +95,23 @@ def one_pair(size: str, pair: int, args: argparse.Namespace, env: dict[str, str]
         log=out.with_suffix(".ours.log"),
     )
     (trl_run,) = [r for r in trl if r["bench"] == "trl"]
-    (our_run,) = [r for r in ours if r["bench"] == "pipeline"]
-    steady = our_run["steady_mean"]
+    steady = [r for r in ours if r["bench"] == "pipeline_iteration" and r["iteration"] > 1]
+    trl_steady = [r["wall_s"] for r in trl if r["bench"] == "trl_iteration" and r["iteration"] > 1]
+
+    def median(key: str) -> float:
+        return round(statistics.median(r[key] for r in steady), 4)
+
     return {
         "size": size,
         "pair": pair,
-        "trl_s": trl_run["steady_mean_s"],
-        "ours_s": steady["wall_s"],
+        "trl_s": round(statistics.median(trl_steady), 3),
+        "trl_mean_s": trl_run["steady_mean_s"],
+        "ours_s": median("wall_s"),
         "ours_compute_s": round(
-            steady["rollout_compute_s"] + steady["teacher_compute_s"] + steady["train_compute_s"], 3
+            statistics.median(r["rollout_compute_s"] + r["teacher_compute_s"] + r["train_compute_s"] for r in steady), 3
         ),
-        "outside_stages_share": steady["outside_stages_share"],
-        "outside_compute_share": steady["outside_compute_share"],
+        "outside_stages_share": median("outside_stages_share"),
+        "outside_compute_share": median("outside_compute_share"),
         "trl_process_s": round(trl_wall, 1),
         "ours_process_s": round(ours_wall, 1),
         "trl_peak_rss_gib": round(trl_rss, 2),
