@@ -306,8 +306,8 @@ def download_checkpoint_files(
             continue
         url = layout.url(entry["path"])
         partial = local.with_name(f".{local.name}.tmp{owner_tag()}")
-        layout.store.get_to_local(url, partial)
-        if verify and (actual := sha256_local_file(partial)) != entry["sha256"]:
+        copied = layout.store.get_to_local(url, partial)
+        if verify and (actual := copied or sha256_local_file(partial)) != entry["sha256"]:
             partial.unlink()
             raise ChecksumMismatchError(url, expected=entry["sha256"], actual=actual)
         os.replace(partial, local)

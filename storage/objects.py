@@ -353,12 +353,12 @@ class ObjectStore:
         if self.backend == "file":
             self._ensure_parent(path)
             return str(self._call(lambda: _copy_hashing(local_path, path), "copy", url))
-        digest = sha256_local_file(local_path)
         if self.backend == "memory":
-            self.fs.pipe_file(path, Path(local_path).read_bytes())
-            return digest
+            data = Path(local_path).read_bytes()
+            self.fs.pipe_file(path, data)
+            return sha256_bytes(data)
         self._call(lambda: self.fs.put_file(os.fspath(local_path), path), "upload", url)
-        return digest
+        return sha256_local_file(local_path)
 
     def get_to_local(self, url: str, local_path: str | os.PathLike[str]) -> str | None:
         """Download (or copy) `url` to a local file, whole-file retried on s3. Returns the sha256 of

@@ -78,6 +78,12 @@ def checkpoint_dir(run: Run, iteration: int, kind: str) -> Path:
     )
 
 
+def ema_teacher_checkpoint(iteration: int) -> tuple[int, str]:
+    """(iteration, kind) of the EMA teacher that scores `iteration`: the one the previous iteration
+    wrote, or the initial policy for the first (the EMA teacher starts as the initial policy)."""
+    return (0, "policy") if iteration == 1 else (iteration - 1, "teacher")
+
+
 def teacher_source(run: Run, iteration: int) -> tuple[Path, Path | None]:
     """(teacher weights, reference weights or None) used to score iteration `iteration`.
 
@@ -87,14 +93,12 @@ def teacher_source(run: Run, iteration: int) -> tuple[Path, Path | None]:
     """
     mode = run.cfg.teacher.update
     previous = iteration - 1
-    if mode == "ema" and previous == 0:
-        return checkpoint_dir(run, 0, "policy"), None  # the EMA teacher starts as the initial policy
+    if mode == "ema":
+        return checkpoint_dir(run, *ema_teacher_checkpoint(iteration)), None
     if mode == "static":
         return checkpoint_dir(run, 0, "policy"), None
     if mode == "live":
         return checkpoint_dir(run, previous, "policy"), None
-    if mode == "ema":
-        return checkpoint_dir(run, previous, "teacher"), None
     if mode == "trust-region":
         return checkpoint_dir(run, previous, "policy"), checkpoint_dir(run, 0, "policy")
     raise ValueError(f"teacher.update={mode!r} is not a known update mode")

@@ -47,16 +47,15 @@ def _previous_teacher(run: Run, iteration: int) -> dict[str, Any]:
     """The EMA teacher iteration `iteration` starts from (the initial policy for the first), float32:
     the copy in memory when it is the stored one (same sha256), else read from the store."""
     from storage.checkpoints import resolve_checkpoint
-    from tasks.runtime import teacher_source
+    from tasks.runtime import checkpoint_dir, ema_teacher_checkpoint
 
-    kind = "policy" if iteration == 1 else "teacher"
-    digest = _weights_digest(resolve_checkpoint(run.layout, f"iter-{iteration - 1}", kind))
+    n, kind = ema_teacher_checkpoint(iteration)
+    digest = _weights_digest(resolve_checkpoint(run.layout, f"iter-{n}", kind))
     kept = _EMA_TEACHER.pop(digest, None)
     if kept is not None:
         logger.info("EMA teacher of iteration %d: starting from the copy in memory (%s)", iteration, digest[:12])
         return kept
-    previous, _ = teacher_source(run, iteration)
-    return load_teacher_weights(previous)
+    return load_teacher_weights(checkpoint_dir(run, n, kind))
 
 
 def load_teacher_weights(folder: Path) -> dict[str, Any]:
