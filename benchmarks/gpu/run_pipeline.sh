@@ -3,7 +3,8 @@
 # benchmarks/gpu/pipeline.yaml and the same work in TRL's SDPOTrainer, per shape. Logs go to $OUT.
 # Wheels in .whl/ (docs/benchmarks.md lists them): megatron-core, transformers, pydantic, Prefect,
 # mlflow-skinny, TRL, datasets and what they need that the image lacks.
-# STEPS picks among "test pipe-0.6b trl-0.6b pipe-1.7b trl-1.7b mfu" (default: the first three);
+# STEPS picks among "test pipe-0.6b trl-0.6b pipe-1.7b trl-1.7b mfu train-tests" (default: the first
+# three; train-tests: the training and scorer GPU tests, tests/gpu/test_gpu_train.py);
 # PIPE_ITERS / TRL_ITERS set the iterations of each run (default 3 / 2), PIPE_TIMEOUT / TRL_TIMEOUT
 # the seconds each may take (default 300 / 300); a pipeline run cut short is stopped with its
 # whole process group and read back for the iterations it committed.
@@ -37,6 +38,10 @@ for shape in 0.6b 1.7b; do
 done
 if has mfu; then
   timeout 200 python3 benchmarks/gpu/model_throughput.py --shapes 1.7b --fused true > "$OUT/model_1.7b.log" 2>&1
+fi
+if has train-tests; then
+  timeout 240 python3 -m pytest tests/gpu/test_gpu_train.py -v -p no:cacheprovider -o addopts="" > "$OUT/gpu_train_tests.log" 2>&1
+  grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed" "$OUT/gpu_train_tests.log" | tail -8
 fi
 for f in "$OUT"/pipeline_*.log "$OUT"/trl_*.log "$OUT"/model_*.log; do
   [[ -f "$f" ]] || continue
