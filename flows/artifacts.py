@@ -107,9 +107,11 @@ def publish_run(run: Any, tracker: Any, summary: dict[str, Any]) -> None:
 
     name = run.cfg.name
     link = mlflow_run_link(tracker)
+    from tasks.tracking.summary import headline_keys
+
     rows = [
         f"| `{key}` | {summary['before'].get(key, float('nan')):.3f} | {summary['after'].get(key, float('nan')):.3f} |"
-        for key in ("eval/greedy_accuracy", "eval/sampled_accuracy", "eval/teacher_accuracy")
+        for key in headline_keys(summary["before"], summary["after"])
     ]
     times = [f"| {stage} | {seconds:.1f} |" for stage, seconds in summary["stage_seconds"].items()]
     markdown = "\n".join(

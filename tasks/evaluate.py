@@ -1,10 +1,12 @@
-"""Evaluation on the held-out split: greedy accuracy and sampled accuracy (n answers per prompt)."""
+"""Evaluation on the held-out split: greedy accuracy, avg@n and pass@k of n sampled answers per prompt,
+response lengths, over all prompts and per data source; and the teacher's accuracy."""
 
 from __future__ import annotations
 
 import logging
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -14,7 +16,7 @@ logger = logging.getLogger(__name__)
 
 
 def evaluate_checkpoint(run: Run, policy_dir: Path, *, progress: bool = True) -> dict[str, float]:
-    """Greedy and sampled accuracy of the checkpoint in `policy_dir` on the eval split."""
+    """Accuracy metrics (`accuracy_by_source`) of the checkpoint in `policy_dir` on the eval split."""
     from tasks.data.prompts import load_splits
     from tasks.rollout import sample_groups
 
@@ -44,13 +46,50 @@ def evaluate_checkpoint(run: Run, policy_dir: Path, *, progress: bool = True) ->
         iteration=0,
         progress=progress,
     )
-    return {
-        "eval/greedy_accuracy": float(np.mean(np.asarray(greedy["reward"]) >= 1.0)),
-        "eval/sampled_accuracy": float(np.mean(np.asarray(sampled["reward"]) >= 1.0)),
-        "eval/response_length_mean": float(np.mean([len(r) for r in greedy["response_ids"]])),
-        "eval/prompts": float(len(rows)),
-        "eval/seconds": time.perf_counter() - started,
-    }
+    metrics = accuracy_by_source(greedy, sampled, n=cfg.eval.sampled_n)
+    metrics["eval/seconds"] = time.perf_counter() - started
+    return metrics
+
+
+def accuracy_by_source(greedy: dict[str, Any], sampled: dict[str, Any], *, n: int) -> dict[str, float]:
+    """`sdpo_core.evaluation.accuracy_metrics` of the rollout columns of one greedy answer and `n`
+    sampled answers per prompt: over all prompts (`eval/...`) and, when the split mixes data sources,
+    per source (`eval/<source>/...`). An answer is correct at reward >= 1."""
+    from sdpo_core.evaluation import accuracy_metrics
+
+    def per_prompt(cols: dict[str, Any], size: int) -> dict[int, dict[str, list[Any]]]:
+        groups: dict[int, dict[str, list[Any]]] = {}
+        for group_id, reward, response, source in zip(
+            cols["group_id"], cols["reward"], cols["response_ids"], cols["data_source"], strict=True
+        ):
+            group = groups.setdefault(int(group_id), {"correct": [], "lengths": [], "source": [source]})
+            group["correct"].append(float(reward) >= 1.0)
+            group["lengths"].append(len(response))
+        sizes = {len(g["correct"]) for g in groups.values()}
+        if sizes != {size}:
+            raise ValueError(f"evaluation expected {size} answers per prompt, got group sizes {sorted(sizes)}")
+        return groups
+
+    greedy_groups, sampled_groups = per_prompt(greedy, 1), per_prompt(sampled, n)
+    if greedy_groups.keys() != sampled_groups.keys():
+        raise ValueError("the greedy and sampled evaluation answered different prompts")
+    ids = sorted(greedy_groups)
+    sources = sorted({greedy_groups[i]["source"][0] for i in ids})
+    selections = [("eval/", ids)]
+    if len(sources) > 1:
+        selections += [(f"eval/{s}/", [i for i in ids if greedy_groups[i]["source"][0] == s]) for s in sources]
+    metrics: dict[str, float] = {}
+    for prefix, chosen in selections:
+        metrics.update(
+            accuracy_metrics(
+                greedy_correct=[greedy_groups[i]["correct"][0] for i in chosen],
+                greedy_lengths=[greedy_groups[i]["lengths"][0] for i in chosen],
+                sampled_correct=[sampled_groups[i]["correct"] for i in chosen],
+                sampled_lengths=[sampled_groups[i]["lengths"] for i in chosen],
+                prefix=prefix,
+            )
+        )
+    return metrics
 
 
 def teacher_accuracy(run: Run, teacher_dir: Path, *, progress: bool = False) -> float:

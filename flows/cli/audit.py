@@ -1,4 +1,5 @@
-"""Commands that look at runs and look after them: `sdpo lineage`, `fork`, `status`, `verify`, `gc`, `view`."""
+"""Commands that look at runs and look after them: `sdpo lineage`, `fork`, `status`, `verify`, `gc`, `view`,
+`compare`."""
 
 from __future__ import annotations
 
@@ -214,3 +215,38 @@ def view(
 
     typer.echo(f"sdpo view: http://{host}:{port}/ (run {data.layout.run_url}, read-only; Ctrl-C stops)")
     serve(data, host=host, port=port)
+
+
+@app.command()
+def compare(
+    run_names: Annotated[list[str], typer.Argument(help="runs to compare, e.g. sdpo-seed1 grpo-seed1")],
+    root: Annotated[str, typer.Option(help="run root of the runs (path or URL)")] = "runs",
+    plot: Annotated[
+        Path, typer.Option(help="where to write the plot (accuracy vs iteration and seconds, response length)")
+    ] = Path("compare.png"),
+) -> None:
+    """Runs side by side: base, final and best held-out accuracy, avg@n and pass@k, response lengths,
+    seconds; greedy accuracy by iteration; and a plot of the curves (all read from the run root)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from tasks.tracking.compare import accuracy_rows, read_history, summary_rows, write_plot
+
+    histories = []
+    for name in run_names:
+        try:
+            histories.append(read_history(root, name))
+        except FileNotFoundError as err:  # no run.json under root
+            fail(str(err))
+    console = Console()
+    for title, (header, rows) in (
+        ("runs", summary_rows(histories)),
+        ("eval greedy accuracy by iteration", accuracy_rows(histories)),
+    ):
+        table = Table(title=title)
+        for i, column in enumerate(header):
+            table.add_column(column, justify="left" if i == 0 else "right")
+        for row in rows:
+            table.add_row(*row)
+        console.print(table)
+    console.print(f"plot: {write_plot(histories, plot)}")

@@ -115,7 +115,8 @@ def evaluate(
     overrides: OverridesArg = None,
     iteration: Annotated[int, typer.Option(help="checkpoint to evaluate (0 = the initial model)")] = -1,
 ) -> None:
-    """Evaluate a run's checkpoint on the held-out split (greedy and sampled accuracy)."""
+    """Evaluate a run's checkpoint on the held-out split: greedy accuracy, avg@n and pass@k of
+    eval.sampled_n samples per prompt, response lengths, per data source when the split mixes them."""
     from flows.evaluate import sdpo_eval
     from tasks.config import ConfigError, load_config
 

@@ -308,7 +308,7 @@ class EvalConfig(Section):
         "iteration (needs eval.every=0; `sdpo eval` still evaluates any checkpoint on demand)",
     )
     every: int = Field(5, ge=0, description="evaluate every N iterations (0 = only before and after)")
-    sampled_n: int = Field(4, ge=1, description="samples per prompt for sampled accuracy")
+    sampled_n: int = Field(4, ge=1, description="samples per prompt: avg@n and pass@k for k = 1, 2, 4, ... up to n")
     temperature: float = Field(0.6, ge=0)
     top_p: float = Field(0.95, gt=0, le=1)
 

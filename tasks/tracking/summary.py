@@ -152,6 +152,24 @@ def plot_curves(summary: RunSummary, path: Path) -> None:
     plt.close(fig)
 
 
+def headline_keys(*steps: dict[str, float]) -> list[str]:
+    """The evaluation metrics a summary shows, in order: greedy accuracy, avg@n, pass@k by k, the
+    teacher's accuracy, response length (over all prompts; per-source keys stay in MLflow)."""
+    present = {key for metrics in steps for key in metrics if key.count("/") == 1 and key.startswith("eval/")}
+
+    def order(key: str) -> tuple[int, int]:
+        name = key.removeprefix("eval/")
+        for rank, stem in enumerate(("greedy_accuracy", "avg_at_", "pass_at_", "teacher_accuracy")):
+            if name.startswith(stem):
+                suffix = name.removeprefix(stem)
+                return rank, int(suffix) if suffix.isdigit() else 0
+        return 9, 0
+
+    keys = [k for k in present if order(k)[0] < 9]
+    keys += ["eval/response_length_mean"] if "eval/response_length_mean" in present else []
+    return sorted(keys, key=order)
+
+
 def render_table(summary: dict[str, Any]) -> Any:
     """A rich table: accuracy before -> after and time per stage."""
     from rich.table import Table
@@ -160,7 +178,7 @@ def render_table(summary: dict[str, Any]) -> Any:
     table.add_column("metric")
     table.add_column("before", justify="right")
     table.add_column("after", justify="right")
-    for key in ("eval/greedy_accuracy", "eval/sampled_accuracy", "eval/teacher_accuracy"):
+    for key in headline_keys(summary["before"], summary["after"]):
         table.add_row(
             key, f"{summary['before'].get(key, float('nan')):.3f}", f"{summary['after'].get(key, float('nan')):.3f}"
         )
