@@ -7,7 +7,9 @@
 # three; train-tests: the training and scorer GPU tests, tests/gpu/test_gpu_train.py);
 # PIPE_ITERS / TRL_ITERS set the iterations of each run (default 3 / 2), PIPE_TIMEOUT / TRL_TIMEOUT
 # the seconds each may take (default 300 / 300); a pipeline run cut short is stopped with its
-# whole process group and read back for the iterations it committed.
+# whole process group and read back for the iterations it committed. Each step's run folder under
+# /tmp is removed once its figures are in the log, so steps of one call (and calls on a machine kept
+# warm) do not fill the device's disk.
 set -o pipefail
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 STEPS=${STEPS:-test pipe-0.6b trl-0.6b}
@@ -30,10 +32,14 @@ for shape in 0.6b 1.7b; do
   if has "trl-$shape"; then
     timeout -k 5 $TRL_TIMEOUT python3 -m benchmarks.gpu.trl_sdpo --shape $shape --out /tmp/trl-$shape --iterations $TRL_ITERS \
       > "$OUT/trl_$shape.log" 2>&1
+    rm -rf /tmp/trl-$shape
   fi
   if has "pipe-$shape"; then
     python3 -m benchmarks.gpu.pipeline_run --shape $shape --out /tmp/pipe-$shape --iterations $PIPE_ITERS \
       --timeout $PIPE_TIMEOUT > "$OUT/pipeline_$shape.log" 2>&1
+    # read back already (RESULT lines in the log): the next step needs the disk (64 GiB on the device;
+    # a 1.7B run's store and cache hold ~50 GB after two iterations with the final Megatron state)
+    rm -rf /tmp/pipe-$shape
   fi
 done
 if has mfu; then
