@@ -24,7 +24,7 @@ import hashlib
 import json
 import logging
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,7 +38,9 @@ from storage.urls import join, normalize
 logger = logging.getLogger(__name__)
 
 LAYOUT_VERSION = 1
-STAGES = ("rollout", "teacher", "train", "eval")
+# rollout / teacher / train: an iteration's stages; eval: a checkpoint's evaluation; baseline and
+# discovery: iteration 0 of a test-time run (tasks/test_time.py)
+STAGES = ("rollout", "teacher", "train", "eval", "baseline", "discovery")
 CHECKPOINT_KINDS = ("policy", "teacher", "megatron")
 MANIFEST_NAME = "_manifest.json"
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -283,12 +285,19 @@ def read_run_config(layout: RunLayout) -> dict[str, Any]:
 
 
 def create_or_open_run(
-    layout: RunLayout, config: Mapping[str, Any], *, allow_config_change: bool = False
+    layout: RunLayout,
+    config: Mapping[str, Any],
+    *,
+    allow_config_change: bool = False,
+    resolve: Callable[[Mapping[str, Any]], Mapping[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """Create the run with `config` frozen in run.json, or open it and check the config is unchanged.
 
     A different config raises ConfigMismatchError listing `key: old -> new`; with
     `allow_config_change=True` the change is accepted and appended to config_changes.jsonl.
+    `resolve` reads the stored config as the current code would (the config tree's defaults filled
+    in for keys added since the run was created), so a code upgrade that only adds settings whose
+    defaults keep the old behaviour is no change; the comparison is with what it returns.
     Returns the run record with the effective config (see `read_run`).
     """
     _check_plain(config, "")
@@ -308,7 +317,7 @@ def create_or_open_run(
     except FileExistsError:
         pass
     existing = read_run(layout)
-    diff = config_diff(existing["config"], config)
+    diff = config_diff(resolve(existing["config"]) if resolve else existing["config"], config)
     if not diff:
         return existing
     text = format_config_diff(diff)

@@ -7,6 +7,7 @@ any process or on any worker that reaches the store.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,11 +56,23 @@ def start_run(cfg: RunConfig, layout: RunLayout, *, allow_config_change: bool = 
     from storage.scratch import sweep_local
     from tasks.config import to_dict
 
-    create_or_open_run(layout, to_dict(cfg), allow_config_change=allow_config_change)
+    create_or_open_run(layout, to_dict(cfg), allow_config_change=allow_config_change, resolve=as_read_now)
     sweep_local(cfg.storage.cache_dir, layout.local_dir)
     run = open_run(cfg.storage.root, cfg.name)
     # The frozen config says what the run computes; where its stages run is this process's choice.
     return Run(layout=run.layout, cfg=run.cfg.model_copy(update={"launch": cfg.launch}))
+
+
+def as_read_now(stored: Mapping[str, Any]) -> Mapping[str, Any]:
+    """A stored run config as this code reads it: validated, with the defaults of settings added
+    since it was written filled in (a new setting's default keeps the behaviour it did not have).
+    A stored config this code refuses is compared as stored, so every difference shows."""
+    from tasks.config import ConfigError, to_dict
+
+    try:
+        return to_dict(build_config(dict(stored)))
+    except ConfigError:
+        return stored
 
 
 def checkpoint_dir(run: Run, iteration: int, kind: str) -> Path:

@@ -148,3 +148,45 @@ def test_eval_due_evaluates_the_base_the_cadence_and_the_last_unless_disabled():
     assert due == [0, 2, 4, 5]
     assert [n for n in range(7) if eval_due(n, enabled=True, every=0, last=5)] == [0, 5]
     assert not any(eval_due(n, enabled=False, every=0, last=5) for n in range(7))
+
+
+def test_test_time_needs_a_baseline_at_least_as_long_as_the_attack():
+    with pytest.raises(ConfigError, match="baseline_attempts >= max_attempts"):
+        load_config(None, ["test_time.max_attempts=64", "test_time.baseline_attempts=32"])
+    with pytest.raises(ConfigError, match="repeats a seed"):
+        load_config(None, ["test_time.seeds=[1, 1]"])
+
+
+def test_data_questions_must_be_distinct_and_name_existing_prompts():
+    from tasks.data.prompts import training_rows
+
+    with pytest.raises(ConfigError, match="distinct, non-empty prompt ids"):
+        load_config(None, ["data.questions=[add-1-2, add-1-2]"])
+    cfg = load_config(None, ["data.max_operand=9", "data.questions=[add-2-1, add-1-2]"])
+    assert [r["prompt_id"] for r in training_rows(cfg.data, seed=cfg.seed)] == ["add-2-1", "add-1-2"]
+    missing = load_config(None, ["data.max_operand=9", "data.questions=[add-99-1]"])
+    with pytest.raises(ValueError, match=r"data.questions names prompt ids the data does not hold: \['add-99-1'\]"):
+        training_rows(missing.data, seed=missing.seed)
+
+
+def test_a_run_created_before_a_setting_existed_resumes_unless_the_setting_is_changed(tmp_path):
+    """Settings added by a code upgrade take their defaults in runs created before them: opening
+    such a run is no config change, while a real change (or a non-default new setting) still is."""
+    import json
+
+    from storage.errors import ConfigMismatchError
+    from storage.layout import RunLayout
+    from tasks.config import to_dict
+    from tasks.runtime import start_run
+
+    cfg = load_config(None, [f"storage.root={tmp_path}", "name=old"])
+    layout = RunLayout(str(tmp_path), "old")
+    start_run(cfg, layout)
+    record = json.loads(layout.store.read_bytes(layout.run_json))
+    del record["config"]["test_time"], record["config"]["data"]["questions"]  # as an older version wrote it
+    layout.store.write_bytes(layout.run_json, json.dumps(record).encode())
+
+    assert to_dict(start_run(cfg, layout).cfg) == to_dict(cfg)
+    for changed in (["loss.alpha=1"], ["data.questions=[add-1-2]"]):
+        with pytest.raises(ConfigMismatchError, match=changed[0].split("=")[0]):
+            start_run(load_config(None, [f"storage.root={tmp_path}", "name=old", *changed]), layout)
