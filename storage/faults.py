@@ -43,7 +43,15 @@ CRASH_POINTS = (
     "stage.files_written:eval",
     "stage.committed:eval",
     "tracking.logged",  # the step's metrics are in MLflow
+    # iteration 0 of a test-time run (tasks/test_time.py)
+    "stage.start:baseline",
+    "stage.files_written:baseline",
+    "stage.committed:baseline",
+    "stage.start:discovery",
+    "stage.files_written:discovery",
+    "stage.committed:discovery",
 )
+TEST_TIME_CRASH_POINTS = tuple(p for p in CRASH_POINTS if p.endswith((":baseline", ":discovery")))
 
 
 def crash_point(name: str, iteration: int | None = None) -> None:

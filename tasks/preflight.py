@@ -51,13 +51,13 @@ def preflight(cfg: RunConfig) -> None:
     root = _local(cfg.storage.root)
     if root is not None and root.exists() and not root.is_dir():
         raise ConfigError(f"storage.root: {cfg.storage.root!r} is a file, not a folder; point it at a folder")
-    if cfg.data.source == "prepared":
-        from tasks.data.prompts import load_splits
+    if cfg.data.source == "prepared" or cfg.data.questions:
+        from tasks.data.prompts import training_rows
 
         try:
-            load_splits(cfg.data, seed=cfg.seed)
+            training_rows(cfg.data, seed=cfg.seed)
         except (ValueError, FileNotFoundError) as err:  # InvalidRowError names the file and line
-            raise ConfigError(f"data (data.path / data.eval_path): {err}") from None
+            raise ConfigError(f"data (data.path / data.eval_path / data.questions): {err}") from None
     if cfg.rollout.device == "cuda":
         import torch
 

@@ -196,7 +196,7 @@ def run_rollout(root: str, run_name: str, iteration: int) -> dict:
     """Rollout stage of `iteration`: returns its manifest (skips when already committed)."""
     from storage.manifest import read_stage_manifest, stage_done
     from storage.shard_writer import write_stage
-    from tasks.data.prompts import iteration_prompts, load_splits
+    from tasks.data.prompts import iteration_prompts, training_rows
     from tasks.runtime import open_run
 
     run = open_run(root, run_name)
@@ -209,7 +209,7 @@ def run_rollout(root: str, run_name: str, iteration: int) -> dict:
     crash_point("stage.start:rollout", iteration)
 
     started = time.perf_counter()
-    train_rows, _ = load_splits(cfg.data, seed=cfg.seed)
+    train_rows = training_rows(cfg.data, seed=cfg.seed)
     rows = iteration_prompts(
         train_rows, iteration=iteration, per_iteration=cfg.data.prompts_per_iteration, seed=cfg.seed
     )

@@ -98,3 +98,11 @@ def evaluate(root: str, run: str, iteration: int, launch: dict[str, Any] | None 
     if metrics is None:
         raise RuntimeError(f"the eval stage of iteration {iteration} of run {run!r} ended without committing")
     return metrics
+
+
+@task(name="test-time-baseline", task_run_name="{run}/baseline", **RETRIES)
+def test_time_baseline(root: str, run: str) -> dict[str, float]:
+    """The base model's attempts at the test-time questions (stage `baseline` of iteration 0); its metrics."""
+    from tasks.test_time import run_baseline
+
+    return dict(run_baseline(root, run)["metrics"])

@@ -1,4 +1,4 @@
-"""Commands that run: `sdpo run`, `advance`, `validate`, `stage`, `eval`, `prepare-data`."""
+"""Commands that run: `sdpo run`, `advance`, `validate`, `stage`, `eval`, `test-time`, `prepare-data`."""
 
 from __future__ import annotations
 
@@ -129,6 +129,38 @@ def evaluate(
         metrics = sdpo_eval(str(config), list(overrides or []), iteration)
     for key, value in sorted(metrics.items()):
         typer.echo(f"{key}: {value:.4f}")
+
+
+@app.command("test-time")
+def test_time(
+    config: ConfigArg,
+    overrides: OverridesArg = None,
+    force_unlock: ForceUnlockOpt = False,
+    verbose: VerboseOpt = False,
+) -> None:
+    """Test-time self-distillation: SDPO updates on single hard questions (the `test_time` section
+    picks them) against best-of-k sampling of the base model with as many attempts; prints
+    discovery@k and writes the plot (also an MLflow artifact and a Prefect artifact). Resumable:
+    run it again after an interruption."""
+    from rich.console import Console
+    from rich.markdown import Markdown
+
+    setup_logging(verbose)
+    cfg = load_checked(config, overrides)
+    from flows.test_time import discovery_markdown, sdpo_test_time
+    from tasks.config import ConfigError
+    from tasks.test_time import check_attacks
+
+    try:
+        check_attacks(cfg)
+    except ConfigError as err:
+        fail(str(err))
+
+    with prefect_local_mode(cfg.name):
+        record = sdpo_test_time(str(config), list(overrides or []), force_unlock)
+    console = Console()
+    console.print(Markdown(discovery_markdown(cfg.name, record)))
+    console.print(f"\nplot: {cfg.storage.cache_dir}/test_time/{cfg.name}.png (and the MLflow run's artifacts)")
 
 
 @app.command("prepare-data")

@@ -28,6 +28,7 @@ from tasks.config.experiment import (
     RolloutConfig,
     SGLangConfig,
     TeacherConfig,
+    TestTimeConfig,
     TrainConfig,
     VerifierConfig,
 )
@@ -68,6 +69,7 @@ __all__ = [
     "StageLaunch",
     "StorageConfig",
     "TeacherConfig",
+    "TestTimeConfig",
     "TrackingConfig",
     "TrainConfig",
     "VerifierConfig",

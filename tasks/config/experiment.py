@@ -4,7 +4,7 @@ freezes them)."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
@@ -84,6 +84,19 @@ class DataConfig(Section):
     max_operand: int = Field(99, ge=1)
     answer_width: int = Field(0, ge=0, description="zero-pad arithmetic answers to this many digits (0 = no padding)")
     eval_fraction: float = Field(0.1, gt=0, lt=1)
+    questions: list[str] = Field(
+        default_factory=list,
+        description="prompt ids (from either split) every iteration draws from instead of the training split; "
+        "one id = test-time training on one question (`sdpo test-time` sets it per question)",
+    )
+
+    @field_validator("questions")
+    @classmethod
+    def _distinct_questions(cls, questions: list[str]) -> list[str]:
+        repeated = sorted({q for q in questions if questions.count(q) > 1})
+        if repeated or any(not q.strip() for q in questions):
+            raise ValueError(f"questions={questions}: give distinct, non-empty prompt ids (repeated: {repeated})")
+        return questions
 
     @model_validator(mode="after")
     def _path_for_prepared(self) -> DataConfig:
@@ -319,4 +332,38 @@ class EvalConfig(Section):
                 f"eval.enabled=false with eval.every={self.every}: set eval.every=0, or eval.enabled=true "
                 "to evaluate every N iterations"
             )
+        return self
+
+
+class TestTimeConfig(Section):
+    """Test-time self-distillation (`sdpo test-time`): for single hard questions, SDPO updates on the
+    question itself against best-of-k sampling of the base model with the same number of attempts."""
+
+    __test__: ClassVar[bool] = False  # a config section, not a pytest class
+
+    questions: list[str] = Field(
+        default_factory=list,
+        description="prompt ids to attack; empty = the test_time.num_questions hardest of the first "
+        "test_time.screen_prompts held-out prompts, by the base model's success rate",
+    )
+    num_questions: int = Field(4, ge=1, description="questions picked by the screen when test_time.questions is empty")
+    screen_prompts: int = Field(64, ge=1, description="held-out prompts the screen samples the base model on")
+    max_base_success: float = Field(
+        0.5, ge=0, le=1, description="the screen picks only questions whose base success rate is at most this"
+    )
+    max_attempts: int = Field(64, ge=1, description="attempts per question and seed (rollout.group_size per iteration)")
+    baseline_attempts: int = Field(
+        256, ge=1, description="base-model samples per question: the screen and best-of-k's unbiased discovery@k"
+    )
+    seeds: list[int] = Field(default_factory=lambda: [0, 1, 2], min_length=1, description="one SDPO run per seed")
+
+    @model_validator(mode="after")
+    def _baseline_covers_attempts(self) -> TestTimeConfig:
+        if self.baseline_attempts < self.max_attempts:
+            raise ValueError(
+                f"test_time.baseline_attempts={self.baseline_attempts} < test_time.max_attempts={self.max_attempts}: "
+                "best-of-k is estimated up to k = baseline_attempts; set baseline_attempts >= max_attempts"
+            )
+        if len(set(self.seeds)) != len(self.seeds):
+            raise ValueError(f"test_time.seeds={self.seeds} repeats a seed; give distinct seeds")
         return self

@@ -19,6 +19,7 @@ from tasks.config.experiment import (
     OptimizerConfig,
     RolloutConfig,
     TeacherConfig,
+    TestTimeConfig,
     TrainConfig,
     VerifierConfig,
 )
@@ -44,6 +45,7 @@ class RunConfig(Section):
     storage: StorageConfig = StorageConfig()
     tracking: TrackingConfig = TrackingConfig()
     eval: EvalConfig = EvalConfig()
+    test_time: TestTimeConfig = TestTimeConfig()
     launch: LaunchConfig = LaunchConfig()
 
     @model_validator(mode="after")

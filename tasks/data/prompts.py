@@ -40,6 +40,22 @@ def load_splits(data: DataConfig, *, seed: int) -> tuple[list[Row], list[Row]]:
     return [rows[i] for i in order[cut:]], [rows[i] for i in order[:cut]]
 
 
+def training_rows(data: DataConfig, *, seed: int) -> list[Row]:
+    """The rows iterations draw their prompts from: the training split, or the rows named by
+    `data.questions` (looked up in both splits, in the order given). ValueError names a missing id."""
+    train_rows, eval_rows = load_splits(data, seed=seed)
+    if not data.questions:
+        return train_rows
+    by_id = {row["prompt_id"]: row for row in (*train_rows, *eval_rows)}
+    missing = [q for q in data.questions if q not in by_id]
+    if missing:
+        sample = ", ".join(sorted(by_id)[:3])
+        raise ValueError(
+            f"data.questions names prompt ids the data does not hold: {missing}; ids look like {sample}, ..."
+        )
+    return [by_id[q] for q in data.questions]
+
+
 def iteration_prompts(rows: list[Row], *, iteration: int, per_iteration: int, seed: int) -> list[Row]:
     """The prompts of iteration `iteration` (1-based): a seeded pass over shuffled epochs.
 

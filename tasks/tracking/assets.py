@@ -40,12 +40,13 @@ def log_datasets(tracker: Any, run: Any) -> None:
     from mlflow.entities import DatasetInput, InputTag
     from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
 
-    from tasks.data.prompts import load_splits
+    from tasks.data.prompts import load_splits, training_rows
 
     if not tracker.enabled or tracker.client.get_run(tracker.run_id).data.tags.get(DATASETS_TAG) == "1":
         return
     cfg = run.cfg
-    train_rows, eval_rows = load_splits(cfg.data, seed=cfg.seed)
+    _, eval_rows = load_splits(cfg.data, seed=cfg.seed)
+    train_rows = training_rows(cfg.data, seed=cfg.seed)
     inputs = []
     for context, rows in (("training", train_rows), ("evaluation", eval_rows[: cfg.data.eval_prompts])):
         # no MLflow source: a generated task has no file; where the rows come from is the tag below

@@ -130,7 +130,14 @@ def test_scheduled_deployment_recovers_from_a_killed_worker_and_stops_when_done(
     prefect.cli("work-pool", "create", "cpu-pool", "--type", "process")
     prefect.cli("work-pool", "create", "gpu-pool", "--type", "process")
     deployed = prefect.cli("deploy", "--all", "--prefect-file", "infra/prefect/prefect.yaml")
-    for name in ("sdpo-run/demo", "sdpo-run/demo-grpo", DEPLOYMENT, "sdpo-run/gpu-run", "sdpo-eval/eval"):
+    for name in (
+        "sdpo-run/demo",
+        "sdpo-run/demo-grpo",
+        DEPLOYMENT,
+        "sdpo-run/gpu-run",
+        "sdpo-eval/eval",
+        "sdpo-test-time/test-time-arith",
+    ):
         assert name in deployed, deployed
     prefect.cli("automation", "create", "--from-file", "infra/prefect/automations.yaml")
     client = prefect.client()
