@@ -63,9 +63,58 @@ def describe_iteration(n: int, total: int, metrics: dict[str, float]) -> str:
     return " | ".join(parts)
 
 
-def complete_iteration(run: Any, tracker: Any, n: int) -> tuple[dict[str, float], bool]:
+class Prefetch:
+    """The rollout and teacher prefill of the next `pipeline.max_staleness` iterations, submitted to
+    the flow's task runner while the current iteration trains (nothing with k = 0).
+
+    Iteration m samples from checkpoint m-1-k (`tasks.runtime.behaviour_iteration`), which is
+    committed before iteration m-k trains, so m's first two stages can run during that training.
+    They run as one chain, in iteration order, and are waited for before anything else samples
+    from the engine (the evaluation) or the flow moves on: what they commit is what they would have
+    committed run one after the other, so a restart resumes them like any stage.
+
+    Stages launched in this process run on a thread beside the training, so they start only once
+    this process has run every stage of an iteration itself (`warm`): two threads importing the
+    same modules for the first time can see each other's half-initialised modules. Stages launched
+    as processes (subprocess, torchrun, work pool) overlap from the first iteration.
+    """
+
+    def __init__(self, run: Any) -> None:
+        self.run = run
+        self.futures: dict[int, Any] = {}
+        self.tail: Any = None
+        launch = run.cfg.launch
+        self.warm = launch.rollout.launcher != "inprocess" and launch.teacher.launcher != "inprocess"
+
+    def ahead_of(self, n: int) -> None:
+        """Submit iterations n+1 .. n+k whose teacher stage is not committed (once warm)."""
+        from storage.manifest import stage_done
+
+        if not self.warm:
+            return
+        cfg, layout = self.run.cfg, self.run.layout
+        launch = cfg.launch.model_dump(mode="json")
+        root, name = layout.root_url, layout.run_name
+        for m in range(n + 1, min(n + cfg.pipeline.max_staleness, cfg.iterations) + 1):
+            if m in self.futures or stage_done(layout, m, "teacher"):
+                continue
+            after = None if self.tail is None else [self.tail]
+            rollout = stages.rollout.submit(root, name, m, launch.get("rollout"), wait_for=after)
+            self.tail = self.futures[m] = stages.teacher.submit(root, name, m, rollout, launch.get("teacher"))
+
+    def wait(self) -> None:
+        """Block until every submitted stage is committed; raises the first failure."""
+        for m in sorted(self.futures):
+            self.futures.pop(m).result()
+        self.tail = None
+
+
+def complete_iteration(
+    run: Any, tracker: Any, n: int, prefetch: Prefetch | None = None
+) -> tuple[dict[str, float], bool]:
     """Iteration n of `run` done: committed (n > 0), evaluated when due, logged to MLflow once,
-    and the checkpoints retention does not keep pruned.
+    and the checkpoints retention does not keep pruned. With `prefetch`, the rollout and teacher
+    prefill of the next `pipeline.max_staleness` iterations run while iteration n trains.
 
     Returns (the step's metrics, whether this call trained the iteration). Everything is read back
     from the store, so a call after a crash finishes what the crashed process left undone. An
@@ -73,7 +122,7 @@ def complete_iteration(run: Any, tracker: Any, n: int) -> tuple[dict[str, float]
     MLflow and its Prefect artifacts.
     """
     from flows.artifacts import publish_iteration
-    from storage.manifest import read_iteration_manifest, read_latest
+    from storage.manifest import read_iteration_manifest, read_latest, stage_done
     from storage.stages import read_eval
     from tasks.runtime import apply_retention
     from tasks.tracking.summary import sample_table
@@ -84,7 +133,14 @@ def complete_iteration(run: Any, tracker: Any, n: int) -> tuple[dict[str, float]
     metrics: dict[str, float] = {}
     if n > 0:
         if (read_latest(run.layout) or 0) < n:
+            every_stage_here = not stage_done(run.layout, n, "rollout")
+            if prefetch is not None:
+                prefetch.wait()  # iteration n's own rollout and teacher, when they ran ahead
+                prefetch.ahead_of(n)
             sdpo_iteration(root, name, n, launch)
+            if prefetch is not None:
+                prefetch.wait()
+                prefetch.warm = prefetch.warm or every_stage_here
             ran = True
         metrics.update(read_iteration_manifest(run.layout, n).data["metrics"])
     if eval_due(n, enabled=cfg.eval.enabled, every=cfg.eval.every, last=cfg.iterations):
@@ -181,7 +237,7 @@ def _advance_locked(cfg: Any, layout: Any, *, allow_config_change: bool) -> Any:
         paused = pause_own_schedules(reason)
         return skipped(reason + (f"; paused {len(paused)} schedule(s) of this deployment" if paused else ""))
     with tracker.system_metrics():
-        metrics, _ = complete_iteration(run, tracker, latest + 1)
+        metrics, _ = complete_iteration(run, tracker, latest + 1, Prefetch(run))
     summary.record(latest + 1, metrics)
     if latest + 1 == cfg.iterations:
         summary.close(cfg.iterations)

@@ -13,7 +13,7 @@ from typing import Any
 
 from prefect import flow
 
-from flows.iteration import complete_iteration, finish_run
+from flows.iteration import Prefetch, complete_iteration, finish_run
 from flows.orchestration import name_flow_run, quiet_libraries
 from tasks import stages
 
@@ -60,8 +60,9 @@ def sdpo_run(
         started = time.perf_counter()
         with tracker.system_metrics():
             summary.base_info = stages.prepare_base(cfg.storage.root, cfg.name)
+            prefetch = Prefetch(run)  # with pipeline.max_staleness k: the next k rollouts during training
             for n in range(cfg.iterations + 1):
-                summary.record(n, complete_iteration(run, tracker, n)[0])
+                summary.record(n, complete_iteration(run, tracker, n, prefetch)[0])
         latest = read_latest(layout)
         if latest is None or latest < cfg.iterations:
             raise RuntimeError(f"run {cfg.name!r} ended with LATEST = {latest}, expected {cfg.iterations}")

@@ -9,8 +9,10 @@ Two rules, each a union of clauses (`KeepRule`; a rule with no clause keeps ever
 `resumable` for the full training state (`megatron`), `weights` for the HF policy and teacher
 weights. Whatever the rules say, the files a resume or the next iteration reads are never pruned:
 the base model (iteration 0: static and trust-region teachers, the trainer's config), the LATEST
-policy and teacher (the next rollout and teacher), and the last full training state at or before
-LATEST (with the teacher shards after it, which are never pruned, it restores the trainer exactly).
+policy and teacher (the next rollout and teacher) and, with a staleness k (`pipeline.max_staleness`),
+the k before them (the next k+1 iterations sample from and are scored by LATEST-k .. LATEST), and the
+last full training state at or before LATEST (with the teacher shards after it, which are never
+pruned, it restores the trainer exactly).
 """
 
 from __future__ import annotations
@@ -79,9 +81,10 @@ def _committed(layout: RunLayout, kind: str, latest: int) -> list[int]:
     ]
 
 
-def protected(layout: RunLayout, latest: int) -> set[tuple[int, str]]:
-    """What a resume or the next iteration reads (see the module doc)."""
-    keep = {(0, "policy"), (latest, "policy"), (latest, "teacher")}
+def protected(layout: RunLayout, latest: int, *, staleness: int = 0) -> set[tuple[int, str]]:
+    """What a resume or the next iterations read (see the module doc)."""
+    keep = {(0, "policy")}
+    keep |= {(n, kind) for n in range(max(0, latest - staleness), latest + 1) for kind in ("policy", "teacher")}
     full = [n for n in _committed(layout, "megatron", latest) if not is_pruned(layout, n, "megatron")]
     if full:
         keep.add((max(full), "megatron"))
@@ -89,13 +92,18 @@ def protected(layout: RunLayout, latest: int) -> set[tuple[int, str]]:
 
 
 def plan(
-    layout: RunLayout, *, resumable: KeepRule, weights: KeepRule, eval_metric: Callable[[int, str], float | None]
+    layout: RunLayout,
+    *,
+    resumable: KeepRule,
+    weights: KeepRule,
+    eval_metric: Callable[[int, str], float | None],
+    staleness: int = 0,
 ) -> list[Decision]:
     """A decision for every committed, not yet pruned checkpoint up to LATEST."""
     latest = read_latest(layout)
     if latest is None:
         return []
-    guard = protected(layout, latest)
+    guard = protected(layout, latest, staleness=staleness)
     decisions = []
     for kind in CHECKPOINT_KINDS:
         rule = resumable if kind in RESUMABLE_KINDS else weights
@@ -154,9 +162,10 @@ def apply(
     weights: KeepRule,
     eval_metric: Callable[[int, str], float | None],
     dry_run: bool = False,
+    staleness: int = 0,
 ) -> list[Decision]:
     """Plan and (unless `dry_run`) prune; returns the plan."""
-    decisions = plan(layout, resumable=resumable, weights=weights, eval_metric=eval_metric)
+    decisions = plan(layout, resumable=resumable, weights=weights, eval_metric=eval_metric, staleness=staleness)
     if not dry_run:
         finish_interrupted_prunes(layout)
         for decision in decisions:

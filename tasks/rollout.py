@@ -194,10 +194,11 @@ _ROLLOUT_COLUMNS = (
 
 def run_rollout(root: str, run_name: str, iteration: int) -> dict:
     """Rollout stage of `iteration`: returns its manifest (skips when already committed)."""
+    from storage.checkpoints import resolve_checkpoint
     from storage.manifest import read_stage_manifest, stage_done
     from storage.shard_writer import write_stage
     from tasks.data.prompts import iteration_prompts, training_rows
-    from tasks.runtime import open_run
+    from tasks.runtime import behaviour_iteration, open_run
 
     run = open_run(root, run_name)
     cfg = run.cfg
@@ -213,7 +214,8 @@ def run_rollout(root: str, run_name: str, iteration: int) -> dict:
     rows = iteration_prompts(
         train_rows, iteration=iteration, per_iteration=cfg.data.prompts_per_iteration, seed=cfg.seed
     )
-    policy_dir = checkpoint_dir(run, iteration - 1, "policy")
+    behaviour = behaviour_iteration(cfg, iteration)
+    policy_dir = checkpoint_dir(run, behaviour, "policy")
     columns, metrics = sample_groups(
         run,
         rows=rows,
@@ -224,6 +226,8 @@ def run_rollout(root: str, run_name: str, iteration: int) -> dict:
         seed=cfg.seed * 1_000_003 + iteration,
         iteration=iteration,
     )
+    metrics["rollout/behaviour_iteration"] = float(behaviour)
+    metrics["rollout/staleness"] = float(iteration - 1 - behaviour)
     metrics["rollout/stage_seconds"] = time.perf_counter() - started
     return write_stage(
         run.layout,
@@ -231,6 +235,6 @@ def run_rollout(root: str, run_name: str, iteration: int) -> dict:
         "rollout",
         columns,
         logprob_dtype=cfg.storage.logprob_dtype,
-        parents=[],
+        parents=[resolve_checkpoint(run.layout, f"iter-{behaviour}", "policy")],  # the behaviour policy
         metrics=metrics,
     )

@@ -91,30 +91,43 @@ def checkpoint_dir(run: Run, iteration: int, kind: str) -> Path:
     )
 
 
+def behaviour_iteration(cfg: RunConfig, iteration: int) -> int:
+    """The checkpoint iteration `iteration` samples from and whose teacher scores it: n-1 on policy,
+    n-1-k with `pipeline.max_staleness` k (never before the initial model). Fixed by the config, so
+    an iteration computes the same whether its stages ran ahead of the previous iteration's training
+    or after it, in one process or after a restart."""
+    return max(0, iteration - 1 - cfg.pipeline.max_staleness)
+
+
 def ema_teacher_checkpoint(iteration: int) -> tuple[int, str]:
     """(iteration, kind) of the EMA teacher that scores `iteration`: the one the previous iteration
     wrote, or the initial policy for the first (the EMA teacher starts as the initial policy)."""
     return (0, "policy") if iteration == 1 else (iteration - 1, "teacher")
 
 
+def teacher_checkpoint(run: Run, iteration: int) -> tuple[int, str]:
+    """(iteration, kind) of the checkpoint whose weights score iteration `iteration`: the base model
+    (static), the behaviour policy (live, trust-region) or the EMA teacher written with it (ema)."""
+    mode = run.cfg.teacher.update
+    basis = behaviour_iteration(run.cfg, iteration)
+    if mode == "ema":
+        return ema_teacher_checkpoint(basis + 1)
+    if mode == "static":
+        return 0, "policy"
+    if mode in ("live", "trust-region"):
+        return basis, "policy"
+    raise ValueError(f"teacher.update={mode!r} is not a known update mode")
+
+
 def teacher_source(run: Run, iteration: int) -> tuple[Path, Path | None]:
     """(teacher weights, reference weights or None) used to score iteration `iteration`.
 
-    static: the initial policy. live: the current policy. ema: the EMA teacher written by the
-    previous iteration. trust-region: the current policy mixed with the initial one at the logit
-    level, so both are returned.
+    static: the initial policy. live: the behaviour policy (`behaviour_iteration`). ema: the EMA
+    teacher written by the behaviour policy's iteration. trust-region: the behaviour policy mixed
+    with the initial one at the logit level, so both are returned.
     """
-    mode = run.cfg.teacher.update
-    previous = iteration - 1
-    if mode == "ema":
-        return checkpoint_dir(run, *ema_teacher_checkpoint(iteration)), None
-    if mode == "static":
-        return checkpoint_dir(run, 0, "policy"), None
-    if mode == "live":
-        return checkpoint_dir(run, previous, "policy"), None
-    if mode == "trust-region":
-        return checkpoint_dir(run, previous, "policy"), checkpoint_dir(run, 0, "policy")
-    raise ValueError(f"teacher.update={mode!r} is not a known update mode")
+    teacher = checkpoint_dir(run, *teacher_checkpoint(run, iteration))
+    return teacher, checkpoint_dir(run, 0, "policy") if run.cfg.teacher.update == "trust-region" else None
 
 
 def apply_retention(run: Run, *, dry_run: bool = False) -> list[Any]:
@@ -130,6 +143,7 @@ def apply_retention(run: Run, *, dry_run: bool = False) -> list[Any]:
 
     return apply(
         run.layout,
+        staleness=run.cfg.pipeline.max_staleness,
         resumable=KeepRule(**rules.resumable.model_dump()),
         weights=KeepRule(**rules.weights.model_dump()),
         eval_metric=eval_metric,

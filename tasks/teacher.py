@@ -82,12 +82,13 @@ def run_teacher(root: str, run_name: str, iteration: int) -> dict | None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from sdpo_core.grpo import group_advantages
+    from storage.checkpoints import resolve_checkpoint
     from storage.manifest import read_stage_manifest, stage_done
     from storage.shard_reader import read_stage_columns
     from storage.shard_writer import write_stage
     from tasks.engines.scorer import score_teacher
     from tasks.rollout import render_prompt_ids
-    from tasks.runtime import open_run, teacher_source
+    from tasks.runtime import open_run, teacher_checkpoint, teacher_source
 
     run = open_run(root, run_name)
     cfg = run.cfg
@@ -107,7 +108,8 @@ def run_teacher(root: str, run_name: str, iteration: int) -> dict | None:
     group_ids = torch.from_numpy(np.array(columns["group_id"], dtype=np.int64))
     advantages = group_advantages(rewards, group_ids, normalize_std=cfg.loss.grpo_normalize_std)
 
-    metrics: dict[str, float] = {}
+    source_n, source_kind = teacher_checkpoint(run, iteration)
+    metrics: dict[str, float] = {"teacher/source_iteration": float(source_n)}
     teacher_dir, reference_dir = teacher_source(run, iteration)
     tokenizer = AutoTokenizer.from_pretrained(str(teacher_dir))
     k = int(columns["topk_ids"][0].shape[1]) if n_rows else cfg.rollout.top_k
@@ -183,6 +185,7 @@ def run_teacher(root: str, run_name: str, iteration: int) -> dict | None:
         "teacher",
         out,
         logprob_dtype=cfg.storage.logprob_dtype,
-        parents=[parent],
+        # the rollout it scored and the checkpoint whose weights scored it
+        parents=[parent, resolve_checkpoint(run.layout, f"iter-{source_n}", source_kind)],
         metrics=metrics,
     )

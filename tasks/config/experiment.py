@@ -335,6 +335,18 @@ class EvalConfig(Section):
         return self
 
 
+class PipelineConfig(Section):
+    """How iterations follow each other."""
+
+    max_staleness: int = Field(
+        0,
+        ge=0,
+        description="k: iteration n samples (and its teacher scores) with the policy and teacher of iteration n-1-k, "
+        "so the rollout and teacher prefill of the next k iterations run while iteration n trains; 0 = on-policy, "
+        "one stage after the other",
+    )
+
+
 class TestTimeConfig(Section):
     """Test-time self-distillation (`sdpo test-time`): for single hard questions, SDPO updates on the
     question itself against best-of-k sampling of the base model with the same number of attempts."""

@@ -17,6 +17,7 @@ from tasks.config.experiment import (
     LossConfig,
     ModelConfig,
     OptimizerConfig,
+    PipelineConfig,
     RolloutConfig,
     TeacherConfig,
     TestTimeConfig,
@@ -45,6 +46,7 @@ class RunConfig(Section):
     storage: StorageConfig = StorageConfig()
     tracking: TrackingConfig = TrackingConfig()
     eval: EvalConfig = EvalConfig()
+    pipeline: PipelineConfig = PipelineConfig()
     test_time: TestTimeConfig = TestTimeConfig()
     launch: LaunchConfig = LaunchConfig()
 

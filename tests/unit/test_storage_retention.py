@@ -112,3 +112,11 @@ def test_the_cache_evicts_least_recently_used_checkpoints(tmp_path: Path) -> Non
     removed = evict_least_recently_used(cache, max_bytes=250, keep=folders[3])
     assert removed == [folders[1], folders[2]]
     assert folders[0].exists() and folders[3].exists()
+
+
+def test_with_staleness_k_the_last_k_policies_and_teachers_are_kept_for_the_iterations_ahead(tmp_path: Path) -> None:
+    layout = _run(tmp_path, 6)
+    apply(layout, resumable=KeepRule(last=1), weights=KeepRule(last=1), eval_metric=lambda n, m: None, staleness=2)
+    assert _kept(layout, "policy", 6) == [0, 4, 5, 6]  # iterations 7, 8, 9 sample from 4, 5, 6
+    assert _kept(layout, "teacher", 6) == [4, 5, 6]
+    assert _kept(layout, "megatron", 6) == [6]

@@ -1,0 +1,97 @@
+"""`pipeline.max_staleness: 1`: iteration n+1's rollout and teacher prefill run while iteration n
+trains, sampling from (and scored by the teacher of) checkpoint n-1, recorded in the manifests; a run
+killed anywhere in the overlap resumes and ends bit-identical to an uninterrupted one."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+
+from tests.integration.runs import TINY, differences, fingerprint, write_config
+from tests.integration.test_crash_resume import crash_and_resume, leftovers, run_env, sdpo
+
+NAME = "async"
+ITERATIONS = 3
+CONFIG = {
+    **TINY,
+    "iterations": ITERATIONS,
+    "pipeline": {"max_staleness": 1},
+    "teacher": {"update": "ema"},
+    "eval": {"every": 0, "sampled_n": 2},
+}
+# Each point is reached whatever the attempt before it left done: the first falls in iteration 3's
+# prefetched rollout (it runs while iteration 2 trains, so the kill also cuts that training), then
+# iteration 3's teacher, training and commit in the resumed process.
+CHAIN = [
+    "stage.files_written:rollout@3",
+    "stage.committed:teacher@3",
+    "checkpoint.uploading:teacher@3",
+    "commit.latest_moved@3",
+]
+
+
+def stage_span(layout, n: int, stage: str) -> tuple[float, float]:
+    """(start, end) of a committed stage in seconds: its manifest's time less the stage's duration."""
+    from storage.manifest import read_stage_manifest
+
+    data = read_stage_manifest(layout, n, stage).data
+    end = datetime.fromisoformat(data["created_at"]).timestamp()
+    return end - data["metrics"][f"{stage}/stage_seconds"], end
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory, prefect_server: str) -> tuple[Path, dict]:
+    from storage.layout import RunLayout
+
+    tmp = tmp_path_factory.mktemp("async")
+    config = write_config(tmp, NAME, base=CONFIG)
+    done = sdpo(["run", str(config)], run_env(prefect_server))
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    layout = RunLayout(str(tmp / "runs"), NAME)
+    return tmp, fingerprint(layout)
+
+
+def test_each_iteration_samples_from_and_is_scored_by_checkpoint_n_minus_2(reference):
+    from storage.layout import RunLayout
+    from storage.manifest import read_stage_manifest
+
+    tmp, _ = reference
+    layout = RunLayout(str(tmp / "runs"), NAME)
+    for n, behaviour in ((1, 0), (2, 0), (3, 1)):
+        rollout = read_stage_manifest(layout, n, "rollout").data
+        assert rollout["metrics"]["rollout/behaviour_iteration"] == behaviour
+        assert rollout["metrics"]["rollout/staleness"] == n - 1 - behaviour
+        assert [p["path"] for p in rollout["parents"]] == [f"checkpoints/iter-{behaviour}/policy/_manifest.json"]
+        teacher = read_stage_manifest(layout, n, "teacher").data
+        source = "checkpoints/iter-0/policy" if behaviour == 0 else f"checkpoints/iter-{behaviour}/teacher"
+        assert [p["path"] for p in teacher["parents"]] == [
+            f"iter-{n}/rollout/_manifest.json",
+            f"{source}/_manifest.json",
+        ]
+        assert teacher["metrics"]["teacher/source_iteration"] == behaviour
+
+
+def test_the_next_rollout_runs_while_the_current_iteration_trains(reference):
+    from storage.layout import RunLayout
+
+    tmp, _ = reference
+    layout = RunLayout(str(tmp / "runs"), NAME)
+    # iteration 1 runs every stage in the flow's process first (its imports); from iteration 2 on, the
+    # next iteration's rollout and teacher prefill run during the training
+    _, train_end = stage_span(layout, 2, "train")
+    rollout_start, _ = stage_span(layout, 3, "rollout")
+    assert rollout_start < train_end, "the rollout of iteration 3 started after iteration 2 trained"
+
+
+def test_killed_inside_the_overlap_resumes_bit_identical(tmp_path, prefect_server, reference):
+    from storage.layout import RunLayout
+
+    _, expected = reference
+    config = write_config(tmp_path, NAME, base=CONFIG)
+    crash_and_resume(config, run_env(prefect_server), CHAIN)
+    resumed = fingerprint(RunLayout(str(tmp_path / "runs"), NAME))
+    assert differences(expected, resumed) == []
+    assert resumed["final_policy"] == expected["final_policy"]
+    assert leftovers(tmp_path / "runs", tmp_path / "cache") == []
