@@ -8,8 +8,11 @@ process, so a study that is interrupted resumes where it stopped (runs already f
 read back). Then, from the store (`tasks.tracking.compare`): per arm, the final greedy accuracy,
 avg@n and pass@n as mean ± standard deviation over seeds, the rollout response length, the seconds,
 and for every arm the median over seeds of the first evaluated iteration at which a seed reached
-the reference arm's mean final greedy accuracy (`--reference`, default the last arm). Prints a
-Markdown table and writes the plot of every run's curves.
+the final greedy accuracy of the reference arm's run with the same seed (`--reference`, default
+the last arm; a seed whose reference ended below the base model's accuracy counts as reached at 0); then, per arm,
+the self-teacher's accuracy at each evaluation and its probability mass on the student's top-K ids.
+Prints both Markdown tables, writes a plot of each arm's curves (mean and range over seeds) and logs both to the study's MLflow store
+(`<root>/mlflow.db`, experiment `sdpo`) as the artifacts of a run named `study-<config name>`.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tasks.tracking.compare import GREEDY, ROLLOUT_LENGTH, RunHistory, read_history, write_plot  # noqa: E402
+from tasks.tracking.compare import GREEDY, ROLLOUT_LENGTH, RunHistory, read_history, save_figure  # noqa: E402
 
 
 def run_arm(config: Path, root: str, arm: str, overrides: list[str], seed: int) -> None:
@@ -46,29 +49,91 @@ def first_reaching(history: RunHistory, target: float) -> int | None:
     return reached[0] if reached else None
 
 
-def summarise(arms: dict[str, list[RunHistory]], reference: str) -> str:
+def summarise(arms: dict[str, list[RunHistory]], reference: str, seeds: list[int]) -> str:
     finals = {a: [h.evals[max(h.evals)] for h in hs] for a, hs in arms.items()}
-    target = statistics.mean(f[GREEDY] for f in finals[reference])
+    targets = [f[GREEDY] for f in finals[reference]]  # per seed: the reference arm's final accuracy
     n = next(int(k.rsplit("_", 1)[1]) for k in finals[reference][0] if k.startswith("eval/avg_at_"))
     lines = [
         f"| arm | seeds | greedy base | greedy final | avg@{n} final | pass@{n} final | rollout length (last) "
-        f"| first iteration at {reference}'s final {target:.3f} (median; per seed) | seconds per run |",
+        f"| first evaluated iteration at {reference}'s final accuracy of the same seed (median; per seed) "
+        "| seconds per run (median) |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for arm, histories in arms.items():
-        reach = [first_reaching(h, target) for h in histories]
+        reach = [first_reaching(h, target) for h, target in zip(histories, targets, strict=True)]
         hit = [r for r in reach if r is not None]
         median = f"{statistics.median(hit):g}" if len(hit) == len(reach) else "not reached by every seed"
+        per_seed = ", ".join(f"s{seed}: {'-' if r is None else r}" for seed, r in zip(seeds, reach, strict=True))
         lines.append(
             f"| {arm} | {len(histories)} | {spread([h.evals[0][GREEDY] for h in histories])} "
             f"| {spread([f[GREEDY] for f in finals[arm]])} "
             f"| {spread([f[f'eval/avg_at_{n}'] for f in finals[arm]])} "
             f"| {spread([f[f'eval/pass_at_{n}'] for f in finals[arm]])} "
             f"| {spread([h.iterations[h.last()][ROLLOUT_LENGTH] for h in histories])} "
-            f"| {median}; {', '.join('-' if r is None else str(r) for r in reach)} "
+            f"| {median}; {per_seed} "
             f"| {statistics.median(h.seconds[h.last()] for h in histories):.0f} |"
         )
     return "\n".join(lines)
+
+
+TEACHER = "eval/teacher_accuracy"
+TOPK_MASS = "sdpo/teacher_topk_mass_mean"
+
+
+def diagnose(arms: dict[str, list[RunHistory]]) -> str:
+    """What the self-teacher could teach, per arm (means over seeds): its greedy accuracy with the
+    reference answer in context at each evaluation, and the share of its probability mass on the
+    student's top-K ids (first and last iteration; 1.0 for the full-distribution divergence)."""
+    steps = sorted({n for hs in arms.values() for h in hs for n in h.evals if TEACHER in h.evals[n]})
+    lines = [
+        "| arm | " + " | ".join(f"teacher accuracy @ {n}" for n in steps) + " | teacher top-K mass, first → last |",
+        "|---" * (len(steps) + 2) + "|",
+    ]
+    for arm, histories in arms.items():
+        cells = []
+        for n in steps:
+            values = [h.evals[n][TEACHER] for h in histories if TEACHER in h.evals.get(n, {})]
+            cells.append(f"{statistics.mean(values):.3f}" if values else "-")
+        mass = [
+            (h.iterations[min(h.iterations)].get(TOPK_MASS), h.iterations[h.last()].get(TOPK_MASS)) for h in histories
+        ]
+        known = [(a, b) for a, b in mass if a is not None and b is not None]
+        shown = (
+            f"{statistics.mean(a for a, _ in known):.3f} → {statistics.mean(b for _, b in known):.3f}" if known else "-"
+        )
+        lines.append(f"| {arm} | " + " | ".join(cells) + f" | {shown} |")
+    return "\n".join(lines)
+
+
+def write_arm_plot(arms: dict[str, list[RunHistory]], path: Path) -> Path:
+    """Per arm, the mean over seeds (line) and the range (band) of the student's greedy accuracy and
+    of the self-teacher's accuracy with the answer in context, against the iteration."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.6))
+    for arm, histories in arms.items():
+        for ax, key in ((axes[0], GREEDY), (axes[1], TEACHER)):
+            steps = sorted(set.intersection(*({n for n, m in h.evals.items() if key in m} for h in histories)))
+            if not steps:
+                continue
+            values = [[h.evals[n][key] for h in histories] for n in steps]
+            line = ax.plot(steps, [statistics.mean(v) for v in values], marker="o", label=arm)[0]
+            ax.fill_between(
+                steps, [min(v) for v in values], [max(v) for v in values], alpha=0.12, color=line.get_color()
+            )
+    for ax, title in (
+        (axes[0], "student: held-out greedy accuracy"),
+        (axes[1], "teacher: accuracy with the answer in context"),
+    ):
+        ax.set_xlabel("iteration")
+        ax.set_title(f"{title} (mean over seeds, band: min-max)", fontsize=10)
+        ax.set_ylim(0, 1.02)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    return save_figure(fig, path)
 
 
 def main() -> None:
@@ -88,8 +153,32 @@ def main() -> None:
         for arm, overrides in arms.items():
             run_arm(args.config, args.root, arm, overrides, seed)
     histories = {arm: [read_history(args.root, f"{arm}-s{seed}") for seed in args.seeds] for arm in arms}
-    print(summarise(histories, args.reference or list(arms)[-1]))
-    print(f"plot: {write_plot([h for hs in histories.values() for h in hs], args.plot)}")
+    table = summarise(histories, args.reference or list(arms)[-1], args.seeds) + "\n\n" + diagnose(histories)
+    print(table)
+    plot = write_arm_plot(histories, args.plot)
+    print(f"plot: {plot}")
+    print(f"MLflow run: {log_study(args.root, args.config, arms, args.seeds, table, plot)}")
+
+
+def log_study(root: str, config: Path, arms: dict[str, list[str]], seeds: list[int], table: str, plot: Path) -> str:
+    """The study's table and plot as the artifacts of one MLflow run beside the study's runs."""
+    import tempfile
+
+    import mlflow
+
+    client = mlflow.MlflowClient(f"sqlite:///{Path(root).resolve() / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("sdpo")
+    experiment_id = experiment.experiment_id if experiment else client.create_experiment("sdpo")
+    run = client.create_run(experiment_id, run_name=f"study-{config.stem}", tags={"sdpo.study": str(config)})
+    client.log_param(run.info.run_id, "seeds", " ".join(map(str, seeds)))
+    for arm, overrides in arms.items():
+        client.log_param(run.info.run_id, f"arm.{arm}", ",".join(overrides) or "(the config)")
+    with tempfile.TemporaryDirectory() as folder:
+        (Path(folder) / "study.md").write_text(table + "\n")
+        client.log_artifact(run.info.run_id, str(Path(folder) / "study.md"))
+    client.log_artifact(run.info.run_id, str(plot))
+    client.set_terminated(run.info.run_id)
+    return run.info.run_id
 
 
 if __name__ == "__main__":

@@ -64,43 +64,61 @@ def describe_iteration(n: int, total: int, metrics: dict[str, float]) -> str:
 
 
 class Prefetch:
-    """The rollout and teacher prefill of the next `pipeline.max_staleness` iterations, submitted to
-    the flow's task runner while the current iteration trains (nothing with k = 0).
+    """The rollout and teacher prefill of the next `pipeline.max_staleness` iterations, run in a
+    worker process (Prefect's `ProcessPoolTaskRunner`, one worker kept for the whole flow run) while
+    the flow's process trains the current iteration; nothing with k = 0.
 
     Iteration m samples from checkpoint m-1-k (`tasks.runtime.behaviour_iteration`), which is
     committed before iteration m-k trains, so m's first two stages can run during that training.
-    They run as one chain, in iteration order, and are waited for before anything else samples
-    from the engine (the evaluation) or the flow moves on: what they commit is what they would have
-    committed run one after the other, so a restart resumes them like any stage.
-
-    Stages launched in this process run on a thread beside the training, so they start only once
-    this process has run every stage of an iteration itself (`warm`): two threads importing the
-    same modules for the first time can see each other's half-initialised modules. Stages launched
-    as processes (subprocess, torchrun, work pool) overlap from the first iteration.
+    They run in iteration order and are waited for before the flow moves on: what they commit is
+    what they would have committed run one after the other, so a restart resumes them like any
+    stage. A process of its own, rather than a thread, gives the training and the sampling a core
+    each (no shared interpreter lock) and keeps its imports and its rollout engine warm across
+    iterations. A context manager: the worker goes when the block ends.
     """
 
     def __init__(self, run: Any) -> None:
         self.run = run
         self.futures: dict[int, Any] = {}
         self.tail: Any = None
-        launch = run.cfg.launch
-        self.warm = launch.rollout.launcher != "inprocess" and launch.teacher.launcher != "inprocess"
+        self.runner: Any = None
+
+    def __enter__(self) -> Prefetch:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.runner is not None:
+            self.runner.__exit__(*exc)
+            self.runner = None
+
+    def _pool(self) -> Any:
+        if self.runner is None:
+            import json
+            import os
+
+            from prefect.task_runners import ProcessPoolTaskRunner
+
+            from storage.urls import registered_options
+            from tasks.launch import OPTIONS_ENV
+
+            options = registered_options(self.run.layout.root_url)
+            if options:  # no credentials: the config refuses them
+                os.environ[OPTIONS_ENV] = json.dumps(dict(options))
+            self.runner = ProcessPoolTaskRunner(max_workers=1).__enter__()
+        return self.runner
 
     def ahead_of(self, n: int) -> None:
-        """Submit iterations n+1 .. n+k whose teacher stage is not committed (once warm)."""
+        """Submit iterations n+1 .. n+k whose teacher stage is not committed."""
         from storage.manifest import stage_done
 
-        if not self.warm:
-            return
         cfg, layout = self.run.cfg, self.run.layout
         launch = cfg.launch.model_dump(mode="json")
-        root, name = layout.root_url, layout.run_name
         for m in range(n + 1, min(n + cfg.pipeline.max_staleness, cfg.iterations) + 1):
             if m in self.futures or stage_done(layout, m, "teacher"):
                 continue
+            parameters = {"root": layout.root_url, "run": layout.run_name, "iteration": m, "launch": launch}
             after = None if self.tail is None else [self.tail]
-            rollout = stages.rollout.submit(root, name, m, launch.get("rollout"), wait_for=after)
-            self.tail = self.futures[m] = stages.teacher.submit(root, name, m, rollout, launch.get("teacher"))
+            self.tail = self.futures[m] = self._pool().submit(stages.prefetch, parameters=parameters, wait_for=after)
 
     def wait(self) -> None:
         """Block until every submitted stage is committed; raises the first failure."""
@@ -122,7 +140,7 @@ def complete_iteration(
     MLflow and its Prefect artifacts.
     """
     from flows.artifacts import publish_iteration
-    from storage.manifest import read_iteration_manifest, read_latest, stage_done
+    from storage.manifest import read_iteration_manifest, read_latest
     from storage.stages import read_eval
     from tasks.runtime import apply_retention
     from tasks.tracking.summary import sample_table
@@ -133,14 +151,12 @@ def complete_iteration(
     metrics: dict[str, float] = {}
     if n > 0:
         if (read_latest(run.layout) or 0) < n:
-            every_stage_here = not stage_done(run.layout, n, "rollout")
             if prefetch is not None:
                 prefetch.wait()  # iteration n's own rollout and teacher, when they ran ahead
                 prefetch.ahead_of(n)
             sdpo_iteration(root, name, n, launch)
             if prefetch is not None:
                 prefetch.wait()
-                prefetch.warm = prefetch.warm or every_stage_here
             ran = True
         metrics.update(read_iteration_manifest(run.layout, n).data["metrics"])
     if eval_due(n, enabled=cfg.eval.enabled, every=cfg.eval.every, last=cfg.iterations):
@@ -237,7 +253,9 @@ def _advance_locked(cfg: Any, layout: Any, *, allow_config_change: bool) -> Any:
         paused = pause_own_schedules(reason)
         return skipped(reason + (f"; paused {len(paused)} schedule(s) of this deployment" if paused else ""))
     with tracker.system_metrics():
-        metrics, _ = complete_iteration(run, tracker, latest + 1, Prefetch(run))
+        # one iteration per process: a worker process to run the next one's stages ahead would cost
+        # more to start than it saves; the staleness, and so every committed byte, is the same
+        metrics, _ = complete_iteration(run, tracker, latest + 1)
     summary.record(latest + 1, metrics)
     if latest + 1 == cfg.iterations:
         summary.close(cfg.iterations)

@@ -60,9 +60,9 @@ def sdpo_run(
         started = time.perf_counter()
         with tracker.system_metrics():
             summary.base_info = stages.prepare_base(cfg.storage.root, cfg.name)
-            prefetch = Prefetch(run)  # with pipeline.max_staleness k: the next k rollouts during training
-            for n in range(cfg.iterations + 1):
-                summary.record(n, complete_iteration(run, tracker, n, prefetch)[0])
+            with Prefetch(run) as prefetch:  # with pipeline.max_staleness k: the next k rollouts during training
+                for n in range(cfg.iterations + 1):
+                    summary.record(n, complete_iteration(run, tracker, n, prefetch)[0])
         latest = read_latest(layout)
         if latest is None or latest < cfg.iterations:
             raise RuntimeError(f"run {cfg.name!r} ended with LATEST = {latest}, expected {cfg.iterations}")

@@ -115,9 +115,11 @@ def sdpo_test_time(
 
 def discovery_markdown(name: str, record: dict[str, Any]) -> str:
     """The discovery@k table and the attacks, as Markdown (Prefect artifact, CLI)."""
-    lines = [f"# {name}: discovery@k", "", "| k | test-time SDPO | best-of-k |", "|---|---|---|"]
+    method = f"test-time {record['loss'].upper()}"
+    lines = [f"# {name}: discovery@k", "", f"| k | {method} | best-of-k |", "|---|---|---|"]
     lines += [
-        f"| {k} | {s:.3f} | {b:.3f} |" for k, s, b in zip(record["k"], record["sdpo"], record["best_of_k"], strict=True)
+        f"| {k} | {s:.3f} | {b:.3f} |"
+        for k, s, b in zip(record["k"], record["test_time"], record["best_of_k"], strict=True)
     ]
     lines += ["", "| question | seed | first success | base correct |", "|---|---|---|---|"]
     base = {q["prompt_id"]: f"{q['correct']}/{q['attempts']}" for q in record["questions"]}

@@ -106,3 +106,17 @@ def test_time_baseline(root: str, run: str) -> dict[str, float]:
     from tasks.test_time import run_baseline
 
     return dict(run_baseline(root, run)["metrics"])
+
+
+@task(name="prefetch", task_run_name="{run}/iter-{iteration:04d}/prefetch", **RETRIES)
+def prefetch(root: str, run: str, iteration: int, launch: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The rollout and teacher prefill of an iteration that runs ahead of the training
+    (`pipeline.max_staleness`), in a worker process of the flow's process pool: the store's options
+    come from the environment the pool's process inherited (`tasks.launch.OPTIONS_ENV`)."""
+    from tasks.launch import register_stage_options
+
+    register_stage_options(root)
+    launch = launch or {}
+    _launch("rollout", root, run, iteration, launch.get("rollout"))
+    _launch("teacher", root, run, iteration, launch.get("teacher"))
+    return _stage_manifest(root, run, iteration, "teacher")

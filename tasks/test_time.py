@@ -8,7 +8,8 @@ and two stages of its own, each a JSON file committed with a manifest like any s
   `test_time.questions`) and how many were correct. It picks the questions (the hardest, at most
   `test_time.max_base_success`) and gives best-of-k's unbiased discovery@k.
 - `discovery`: written last, once every (question, seed) has been attacked: each attack's first
-  success and the two discovery@k curves.
+  success and the two discovery@k curves, `test_time` (updates on the question, with the run's
+  `loss.type`) and `best_of_k` (the base model's samples), at the k of `attempt_grid`.
 
 Each attack is a child run `<run>-<question>-s<seed>`: the same config with the base model taken
 from the parent's checkpoint iter-0 (`model.path`), every iteration drawing the one question
@@ -181,13 +182,13 @@ def run_discovery(run: Run, questions: Sequence[dict[str, Any]], attacks: Sequen
     crash_point("stage.start:discovery", 0)
     tt = run.cfg.test_time
     ks = attempt_grid(tt.max_attempts, run.cfg.rollout.group_size)
-    sdpo = discovery_at_k([a["first_success"] for a in attacks], ks)
+    updated = discovery_at_k([a["first_success"] for a in attacks], ks)
     best = best_of_k_discovery([q["correct"] for q in questions], n=tt.baseline_attempts, ks=ks)
     record = {
         "questions": list(questions),
         "attacks": list(attacks),
         "k": list(ks),
-        "sdpo": sdpo,
+        "test_time": updated,
         "best_of_k": best,
         "loss": run.cfg.loss.type,
         "group_size": run.cfg.rollout.group_size,
@@ -197,7 +198,7 @@ def run_discovery(run: Run, questions: Sequence[dict[str, Any]], attacks: Sequen
     output.commit(
         parents=[read_stage_manifest(run.layout, 0, "baseline")],
         metrics={
-            f"test_time/discovery_at_{ks[-1]}": sdpo[-1],
+            f"test_time/discovery_at_{ks[-1]}": updated[-1],
             f"test_time/best_of_k_at_{ks[-1]}": best[-1],
             "test_time/questions": len(questions),
             "test_time/attacks": len(attacks),
@@ -222,17 +223,16 @@ def write_discovery_plot(record: dict[str, Any], path: Any) -> Any:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from tasks.tracking.compare import save_figure
+
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    ax.plot(record["k"], record["sdpo"], marker="o", label=f"test-time {record['loss'].upper()}")
+    ax.plot(record["k"], record["test_time"], marker="o", label=f"test-time {record['loss'].upper()} (on the question)")
     ax.plot(record["k"], record["best_of_k"], marker="s", label="best-of-k (base model)")
     ax.set_xlabel("attempts k")
     ax.set_ylabel("discovery@k")
     ax.set_ylim(0, 1.02)
     ax.grid(alpha=0.3)
     ax.legend()
-    ax.set_title(f"{len(record['questions'])} questions x {len(record['attacks']) // len(record['questions'])} seeds")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    seeds = len(record["attacks"]) // len(record["questions"])
+    ax.set_title(f"questions: {len(record['questions'])}, seeds per question: {seeds}")
+    return save_figure(fig, path)

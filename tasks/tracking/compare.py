@@ -146,6 +146,13 @@ def write_plot(histories: list[RunHistory], path: Path) -> Path:
     axes[0].set_ylim(0, 1)
     axes[1].set_ylim(0, 1)
     axes[0].legend(fontsize=8)
+    return save_figure(fig, path)
+
+
+def save_figure(fig: Any, path: Path) -> Path:
+    """Lay out, write (the folder made when missing) and close a matplotlib figure; returns `path`."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

@@ -78,8 +78,8 @@ def test_the_next_rollout_runs_while_the_current_iteration_trains(reference):
 
     tmp, _ = reference
     layout = RunLayout(str(tmp / "runs"), NAME)
-    # iteration 1 runs every stage in the flow's process first (its imports); from iteration 2 on, the
-    # next iteration's rollout and teacher prefill run during the training
+    # the next iteration's rollout and teacher prefill run in the flow's worker process during the
+    # training (iteration 2's, once the worker has started: its start overlaps iteration 1)
     _, train_end = stage_span(layout, 2, "train")
     rollout_start, _ = stage_span(layout, 3, "rollout")
     assert rollout_start < train_end, "the rollout of iteration 3 started after iteration 2 trained"
