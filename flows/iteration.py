@@ -151,8 +151,7 @@ def complete_iteration(
     metrics: dict[str, float] = {}
     if n > 0:
         if (read_latest(run.layout) or 0) < n:
-            if prefetch is not None:
-                prefetch.wait()  # iteration n's own rollout and teacher, when they ran ahead
+            if prefetch is not None:  # iteration n's own stages ran ahead and were waited for last call
                 prefetch.ahead_of(n)
             sdpo_iteration(root, name, n, launch)
             if prefetch is not None:
