@@ -4,8 +4,9 @@
         --arm sdpo= --arm grpo=loss.type=grpo --seeds 0 1 2 [--plot study.png]
 
 Each run is `sdpo run CONFIG name=<arm>-s<seed> seed=<seed> storage.root=ROOT <overrides>` as a
-process, so a study that is interrupted resumes where it stopped (runs already finished are only
-read back). Then, from the store (`tasks.tracking.compare`): per arm, the final greedy accuracy,
+process (output in ROOT/<run>.log; `--set` adds overrides to every arm), so a study that is
+interrupted resumes where it stopped (runs already finished are only read back). `--jobs N` runs N
+at once, each logging to an MLflow store of its own (ROOT/mlflow-<run>.db) beside the study's. Then, from the store (`tasks.tracking.compare`): per arm, the final greedy accuracy,
 avg@n and pass@n as mean ± standard deviation over seeds, the rollout response length, the seconds,
 and for every arm the median over seeds of the first evaluated iteration at which a seed reached
 the final greedy accuracy of the reference arm's run with the same seed (`--reference`, default
@@ -29,11 +30,18 @@ sys.path.insert(0, str(REPO))
 from tasks.tracking.compare import GREEDY, ROLLOUT_LENGTH, RunHistory, read_history, save_figure  # noqa: E402
 
 
-def run_arm(config: Path, root: str, arm: str, overrides: list[str], seed: int) -> None:
-    command = [sys.executable, "-m", "flows.cli", "run", str(config), f"name={arm}-s{seed}", f"seed={seed}"]
-    command += [f"storage.root={root}", f"tracking.uri=sqlite:///{Path(root).resolve() / 'mlflow.db'}", *overrides]
+def run_arm(config: Path, root: str, arm: str, overrides: list[str], seed: int, *, own_store: bool) -> None:
+    """One run as a process; its output goes to <root>/<name>.log. `own_store`: the run logs to an
+    MLflow store of its own (<root>/mlflow-<name>.db), since runs side by side would contend for
+    one SQLite file."""
+    name = f"{arm}-s{seed}"
+    store = Path(root).resolve() / (f"mlflow-{name}.db" if own_store else "mlflow.db")
+    command = [sys.executable, "-m", "flows.cli", "run", str(config), f"name={name}", f"seed={seed}"]
+    command += [f"storage.root={root}", f"tracking.uri=sqlite:///{store}", *overrides]
     print("$", " ".join(command[2:]), flush=True)
-    subprocess.run(command, cwd=REPO, check=True, stdout=subprocess.DEVNULL)
+    Path(root).mkdir(parents=True, exist_ok=True)
+    with (Path(root) / f"{name}.log").open("a") as log:
+        subprocess.run(command, cwd=REPO, check=True, stdout=log, stderr=subprocess.STDOUT)
 
 
 def spread(values: list[float]) -> str:
@@ -144,14 +152,25 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--reference", help="arm whose mean final accuracy the others must reach (default: last)")
     parser.add_argument("--plot", type=Path, default=Path("study.png"))
+    parser.add_argument("--set", dest="common", action="append", default=[], help="OVERRIDE for every run (repeatable)")
+    parser.add_argument("--jobs", type=int, default=1, help="runs side by side (on a GPU: several small runs at once)")
     args = parser.parse_args()
     arms: dict[str, list[str]] = {}
     for spec in args.arm:
         name, _, overrides = spec.partition("=")
-        arms[name] = [o for o in overrides.split(",") if o]
-    for seed in args.seeds:  # seed-major: an interrupted study has every arm at the same seeds
-        for arm, overrides in arms.items():
-            run_arm(args.config, args.root, arm, overrides, seed)
+        arms[name] = [*args.common, *(o for o in overrides.split(",") if o)]
+    # seed-major: an interrupted study has every arm at the same seeds
+    plan = [(arm, overrides, seed) for seed in args.seeds for arm, overrides in arms.items()]
+    if args.jobs == 1:
+        for arm, overrides, seed in plan:
+            run_arm(args.config, args.root, arm, overrides, seed, own_store=False)
+    else:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(args.jobs) as pool:
+            futures = [pool.submit(run_arm, args.config, args.root, *job, own_store=True) for job in plan]
+            for future in futures:
+                future.result()  # CalledProcessError names the run whose log to read
     histories = {arm: [read_history(args.root, f"{arm}-s{seed}") for seed in args.seeds] for arm in arms}
     table = summarise(histories, args.reference or list(arms)[-1], args.seeds) + "\n\n" + diagnose(histories)
     print(table)

@@ -230,13 +230,18 @@ def download_checkpoint(
 
 
 def adopt_into_cache(
-    local_dir: str | os.PathLike[str], manifest: Manifest, *, cache_dir: str | os.PathLike[str]
+    local_dir: str | os.PathLike[str],
+    manifest: Manifest,
+    *,
+    cache_dir: str | os.PathLike[str],
+    max_cache_bytes: int | None = None,
 ) -> Path:
     """Move the folder a checkpoint was just uploaded from into the local cache as that checkpoint
     (`<cache_dir>/<manifest digest>/`), so the next reader on this machine does not copy it back.
 
     `local_dir` must hold exactly the files the manifest lists (what `upload_checkpoint` uploaded);
     it must be on the cache's file system. A reader still checks the copy against the manifest.
+    `max_cache_bytes` bounds the cache as a download does: older checkpoints are evicted first.
     """
     source, target = Path(local_dir), Path(cache_dir) / manifest.sha256
     problem = _local_copy_problem(source, manifest, verify=False)
@@ -250,6 +255,8 @@ def adopt_into_cache(
     except OSError:  # a reader downloaded it meanwhile
         if not target.is_dir():
             raise
+    if max_cache_bytes is not None:
+        evict_least_recently_used(target.parent, max_bytes=max_cache_bytes, keep=target)
     return target
 
 

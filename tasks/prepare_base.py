@@ -25,7 +25,16 @@ def bootstrap_cache_dir(run: Run) -> Path:
     spec = {
         "bootstrap": cfg.model.bootstrap.model_dump(mode="json"),
         "data": cfg.data.model_dump(
-            mode="json", include={"source", "path", "max_operand", "answer_width", "eval_fraction", "eval_prompts"}
+            mode="json",
+            include={
+                "source",
+                "path",
+                "max_operand",
+                "answer_width",
+                "prompt_template",
+                "eval_fraction",
+                "eval_prompts",
+            },
         ),
         "seed": cfg.seed,
     }

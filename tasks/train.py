@@ -200,8 +200,14 @@ def run_train(root: str, run_name: str, iteration: int) -> dict | None:
                     upload_checkpoint(mdir, run.layout, iteration, "megatron", parent=produced[0], trained_on=[parent])
                 )
             metrics["train/megatron_save_seconds"] = time.perf_counter() - save_started
+        max_gb = cfg.storage.cache_max_gb
         for folder, manifest in uploaded:  # the next stages read these from the cache, not from the store
-            adopt_into_cache(folder, manifest, cache_dir=cfg.storage.cache_dir)
+            adopt_into_cache(
+                folder,
+                manifest,
+                cache_dir=cfg.storage.cache_dir,
+                max_cache_bytes=None if max_gb is None else int(max_gb * 2**30),
+            )
     if rank != 0:
         return None
     metrics["train/stage_seconds"] = time.perf_counter() - started

@@ -4,6 +4,7 @@ freezes them)."""
 
 from __future__ import annotations
 
+import string
 from typing import Any, ClassVar, Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
@@ -83,6 +84,11 @@ class DataConfig(Section):
     # arithmetic generator
     max_operand: int = Field(99, ge=1)
     answer_width: int = Field(0, ge=0, description="zero-pad arithmetic answers to this many digits (0 = no padding)")
+    prompt_template: str = Field(
+        "{a}+{b}=",
+        description="the arithmetic prompt's text, with fields {a} and {b} for the operands: the default suits a "
+        'model trained from scratch; a chat model reads a question ("What is {a} + {b}? Reply with only the number.")',
+    )
     eval_fraction: float = Field(0.1, gt=0, lt=1)
     questions: list[str] = Field(
         default_factory=list,
@@ -97,6 +103,20 @@ class DataConfig(Section):
         if repeated or any(not q.strip() for q in questions):
             raise ValueError(f"questions={questions}: give distinct, non-empty prompt ids (repeated: {repeated})")
         return questions
+
+    @field_validator("prompt_template")
+    @classmethod
+    def _operand_fields(cls, template: str) -> str:
+        try:
+            fields = [name for _, name, _, _ in string.Formatter().parse(template) if name is not None]
+        except ValueError as err:
+            raise ValueError(f"prompt_template={template!r} is not a format string: {err}") from err
+        if sorted(fields) != ["a", "b"]:
+            raise ValueError(
+                f"prompt_template={template!r} must name each operand field once, {{a}} and {{b}}, and no other "
+                f"field (found {fields}); write a literal brace as {{{{ or }}}}"
+            )
+        return template
 
     @model_validator(mode="after")
     def _path_for_prepared(self) -> DataConfig:

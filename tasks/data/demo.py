@@ -11,29 +11,39 @@ from __future__ import annotations
 
 import random
 
-__all__ = ["DATA_SOURCE", "addition_row", "make_splits"]
+__all__ = ["DATA_SOURCE", "PROMPT_TEMPLATE", "addition_row", "make_splits"]
 
 DATA_SOURCE = "arithmetic"
 
 
-def addition_row(a: int, b: int, *, answer_width: int = 0) -> dict:
-    """One data-set row for the prompt "a+b=" (no system message: sequences stay short).
+PROMPT_TEMPLATE = "{a}+{b}="
+
+
+def addition_row(a: int, b: int, *, answer_width: int = 0, template: str = PROMPT_TEMPLATE) -> dict:
+    """One data-set row for the prompt `template` filled with a and b ("a+b=" by default; no system
+    message: sequences stay short). The prompt id names the operands whatever the template.
 
     `answer_width` > 0 zero-pads the label to that many digits: every answer then has the same
     length, so each answer position means the same digit whatever was sampled before it.
     """
     return {
         "prompt_id": f"add-{a}-{b}",
-        "prompt_messages": [{"role": "user", "content": f"{a}+{b}="}],
+        "prompt_messages": [{"role": "user", "content": template.format(a=a, b=b)}],
         "label": str(a + b).zfill(answer_width),
         "data_source": DATA_SOURCE,
     }
 
 
 def make_splits(
-    *, seed: int, max_operand: int, eval_fraction: float, min_operand: int = 0, answer_width: int = 0
+    *,
+    seed: int,
+    max_operand: int,
+    eval_fraction: float,
+    min_operand: int = 0,
+    answer_width: int = 0,
+    template: str = PROMPT_TEMPLATE,
 ) -> tuple[list[dict], list[dict]]:
-    """All prompts a+b= with operands in [min_operand, max_operand], split into (train, eval).
+    """All prompts a+b= (in `template`'s words) with operands in [min_operand, max_operand], split into (train, eval).
 
     The unordered pairs are shuffled with `seed` and the first `eval_fraction` of them (at least
     one) go to eval; both orders of a pair follow it. Rows within each split are shuffled too.
@@ -53,8 +63,8 @@ def make_splits(
     num_eval = min(max(1, round(eval_fraction * len(pairs))), len(pairs) - 1)
     splits = []
     for chunk in (pairs[num_eval:], pairs[:num_eval]):
-        rows = [addition_row(a, b, answer_width=answer_width) for a, b in chunk]
-        rows += [addition_row(b, a, answer_width=answer_width) for a, b in chunk if a != b]
+        rows = [addition_row(a, b, answer_width=answer_width, template=template) for a, b in chunk]
+        rows += [addition_row(b, a, answer_width=answer_width, template=template) for a, b in chunk if a != b]
         rng.shuffle(rows)
         splits.append(rows)
     return splits[0], splits[1]

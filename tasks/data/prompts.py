@@ -22,6 +22,7 @@ def load_splits(data: DataConfig, *, seed: int) -> tuple[list[Row], list[Row]]:
             max_operand=data.max_operand,
             eval_fraction=data.eval_fraction,
             answer_width=data.answer_width,
+            template=data.prompt_template,
             seed=seed,
         )
     from tasks.data.schema import check_disjoint, read_checked

@@ -46,3 +46,21 @@ def test_bad_settings_are_rejected(kwargs):
     kwargs = {"eval_fraction": 0.1, **kwargs}
     with pytest.raises(ValueError):
         make_splits(seed=0, **kwargs)
+
+
+def test_a_prompt_template_words_the_question_and_keeps_ids_labels_and_splits():
+    question = "What is {a} + {b}? Reply with only the number."
+    plain = make_splits(seed=2, max_operand=12, eval_fraction=0.2)
+    worded = make_splits(seed=2, max_operand=12, eval_fraction=0.2, template=question)
+    for plain_rows, worded_rows in zip(plain, worded, strict=True):
+        assert [(r["prompt_id"], r["label"]) for r in plain_rows] == [(r["prompt_id"], r["label"]) for r in worded_rows]
+    row = addition_row(7, 35, template=question)
+    assert row["prompt_messages"] == [{"role": "user", "content": "What is 7 + 35? Reply with only the number."}]
+
+
+@pytest.mark.parametrize("template", ["{a}+{a}=", "{a}+{b}={c}", "what is a plus b", "{a}+{b", "{0}+{1}="])
+def test_a_template_without_exactly_the_two_operand_fields_is_rejected_by_the_config(template):
+    from tasks.config import DataConfig
+
+    with pytest.raises(ValueError, match="prompt_template"):
+        DataConfig(prompt_template=template)

@@ -116,6 +116,25 @@ def test_an_adopted_upload_folder_is_the_cached_copy_and_still_checked(
     assert (again / "hf" / "model.safetensors").read_bytes() == expected["hf/model.safetensors"]
 
 
+def test_adopting_keeps_the_cache_within_its_bound(layout: RunLayout, tmp_path: Path) -> None:
+    """The train stage adopts two checkpoints an iteration: without the bound a long run (or runs
+    side by side sharing a cache) fills the disk however small `storage.cache_max_gb` is."""
+    import os
+
+    from storage.checkpoints import adopt_into_cache
+
+    cache = tmp_path / "cache"
+    adopted = []
+    for n in range(4):
+        source = _megatron_like(tmp_path / "scratch" / f"ckpt-{n}")
+        (source / "hf" / "model.safetensors").write_bytes(bytes([n]) * 4096)  # a distinct digest each
+        manifest = upload_checkpoint(source, layout, n, "policy", parent=None)
+        one = sum(p.stat().st_size for p in source.rglob("*") if p.is_file())
+        adopted.append(adopt_into_cache(source, manifest, cache_dir=cache, max_cache_bytes=2 * one))
+        os.utime(adopted[-1], (1000 + n, 1000 + n))  # adoption order, whatever the clock's resolution
+    assert sorted(p for p in cache.iterdir() if len(p.name) == 64) == sorted(adopted[2:])
+
+
 def test_a_folder_that_is_not_the_upload_is_not_adopted(layout: RunLayout, tmp_path: Path) -> None:
     from storage.checkpoints import adopt_into_cache
 

