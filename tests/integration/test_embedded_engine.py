@@ -222,3 +222,24 @@ def test_prompt_longer_than_the_position_limit_is_rejected(engine):
 def test_missing_checkpoint_is_rejected(tmp_path):
     with pytest.raises(FileNotFoundError, match="config.json"):
         EmbeddedEngine(str(tmp_path), max_batch_size=1)
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.8])
+def test_the_inverse_cdf_gives_each_token_exactly_its_share_of_evenly_spread_uniforms(top_p):
+    """Closed form: with uniforms (k + 0.5) / N, token i is drawn N * p_i times (within one) where
+    p is the softmax, renormalised inside the nucleus for top-p; a token without mass never is."""
+    from tasks.engines.embedded import _sample
+
+    logits = torch.tensor([0.3, -1.0, 2.0, float("-inf"), 0.7, 1.5, -0.2, 1.1], dtype=torch.float64)
+    draws = 20_000
+    u = (torch.arange(draws, dtype=torch.float64) + 0.5) / draws
+    counts = torch.bincount(_sample(logits.expand(draws, -1), top_p=top_p, u=u), minlength=len(logits))
+    probs = torch.softmax(logits, dim=-1)
+    if top_p < 1.0:
+        order = probs.argsort(descending=True)
+        inside = (probs[order].cumsum(0) - probs[order]) < top_p
+        kept = torch.zeros_like(probs)
+        kept[order[inside]] = probs[order[inside]]
+        probs = kept / kept.sum()
+    assert torch.all((counts - draws * probs).abs() <= 1), (counts, draws * probs)
+    assert counts[3] == 0
