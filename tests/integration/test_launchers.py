@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.integration.runs import TINY, differences, fingerprint, write_config
 
@@ -95,7 +96,18 @@ def test_torchrun_stages_train_like_one_process(tmp_path, prefect_server, name, 
     a, b = read_iteration_manifest(single, 1).data["metrics"], read_iteration_manifest(spread, 1).data["metrics"]
     assert b["train/ranks"] == 2.0 and a["train/ranks"] == 1.0
     assert b["train/loss"] == pytest.approx(a["train/loss"], rel=1e-5, abs=1e-7)
-    assert _max_difference(_weights(single, 1), _weights(spread, 1)) < 1e-5
+    base, one, other = _weights(single, 0), _weights(single, 1), _weights(spread, 1)
+    assert _max_difference(base, _weights(spread, 0)) == 0.0
+    # The same update: Adam's first step divides each gradient by its own magnitude, so an entry
+    # whose gradient is near 0 turns the other reduction order's rounding into up to ~lr of
+    # weight; the update as a whole must agree where a wrong reduction would be off by O(1).
+    update = torch.cat([(one[k] - base[k]).flatten() for k in sorted(base)])
+    apart = torch.cat([(other[k] - one[k]).flatten() for k in sorted(base)])
+    print(
+        f"{name}: max weight difference {float(apart.abs().max()):.3g}, relative {float(apart.norm() / update.norm()):.3g}"
+    )
+    assert float(apart.norm() / update.norm()) < 1e-3
+    assert _max_difference(one, other) < 1e-4
 
 
 def _free_port() -> int:
