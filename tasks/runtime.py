@@ -75,19 +75,24 @@ def as_read_now(stored: Mapping[str, Any]) -> Mapping[str, Any]:
         return stored
 
 
+def cache_bound_bytes(cfg: RunConfig) -> int | None:
+    """`storage.cache_max_gb` in bytes (None: the local checkpoint cache is unbounded)."""
+    max_gb = cfg.storage.cache_max_gb
+    return None if max_gb is None else int(max_gb * 2**30)
+
+
 def checkpoint_dir(run: Run, iteration: int, kind: str) -> Path:
     """A verified local copy of checkpoint `kind` ('policy' / 'teacher') written by `iteration`.
 
     Iteration 0 is the initial model.
     """
-    max_gb = run.cfg.storage.cache_max_gb
     return download_checkpoint(
         run.layout,
         f"iter-{iteration}",
         kind,
         cache_dir=run.cfg.storage.cache_dir,
         verify=run.cfg.storage.verify_sha256,
-        max_cache_bytes=None if max_gb is None else int(max_gb * 2**30),
+        max_cache_bytes=cache_bound_bytes(run.cfg),
     )
 
 

@@ -132,7 +132,7 @@ def run_train(root: str, run_name: str, iteration: int) -> dict | None:
     from storage.stages import write_stage_manifest
     from tasks.megatron.parallel import init_parallel
     from tasks.megatron.resume import get_trainer
-    from tasks.runtime import checkpoint_dir, open_run
+    from tasks.runtime import cache_bound_bytes, checkpoint_dir, open_run
 
     run = open_run(root, run_name)
     cfg = run.cfg
@@ -200,14 +200,8 @@ def run_train(root: str, run_name: str, iteration: int) -> dict | None:
                     upload_checkpoint(mdir, run.layout, iteration, "megatron", parent=produced[0], trained_on=[parent])
                 )
             metrics["train/megatron_save_seconds"] = time.perf_counter() - save_started
-        max_gb = cfg.storage.cache_max_gb
         for folder, manifest in uploaded:  # the next stages read these from the cache, not from the store
-            adopt_into_cache(
-                folder,
-                manifest,
-                cache_dir=cfg.storage.cache_dir,
-                max_cache_bytes=None if max_gb is None else int(max_gb * 2**30),
-            )
+            adopt_into_cache(folder, manifest, cache_dir=cfg.storage.cache_dir, max_cache_bytes=cache_bound_bytes(cfg))
     if rank != 0:
         return None
     metrics["train/stage_seconds"] = time.perf_counter() - started
