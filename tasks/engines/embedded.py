@@ -135,7 +135,15 @@ class EmbeddedEngine(RolloutEngine):
         stop_ids = torch.tensor(stop_token_ids, dtype=torch.long, device=device)
         u = None if uniforms is None else torch.from_numpy(uniforms).to(device)  # [B, max_new_tokens]
 
-        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True)
+        # only the last position's logits: the whole prompt's would be [B, width, V] (gigabytes at a
+        # 50k vocabulary and a few hundred prompt tokens) for one row of them to be read
+        out = model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=True,
+            logits_to_keep=1,
+        )
         cache = out.cache
         logits = out.logits[:, -1, :].float()  # [B, V]
         next_position = lengths.clone()  # [B]
@@ -166,6 +174,7 @@ class EmbeddedEngine(RolloutEngine):
                 position_ids=next_position[:, None],
                 cache=cache,
                 use_cache=True,
+                logits_to_keep=1,
             )
             cache = out.cache
             logits = out.logits[:, -1, :].float()

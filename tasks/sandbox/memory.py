@@ -1,7 +1,8 @@
 """One memory limit for a whole code sandbox (see tasks/sandbox/program.py).
 
-Where this process may create memory cgroups (root with a writable cgroup v1 `memory` hierarchy
-or a cgroup v2 tree with the memory controller), every sandbox gets a cgroup of its own whose limit
+Where this process may create memory cgroups and limit them (root with a writable cgroup v1
+`memory` hierarchy, or a cgroup v2 tree that delegates the memory controller; a probe cgroup is
+created and limited once to find out), every sandbox gets a cgroup of its own whose limit
 is `memory_mb`, swap included: the judge, the runner and anything they start share it. Elsewhere
 the limit is split into a budget: each of the at most `processes` processes of the sandbox gets
 RLIMIT_AS = memory_mb / processes, so together they can never map more than `memory_mb`.
@@ -63,9 +64,37 @@ def memory_cgroup_parent() -> tuple[Path, int] | None:
             except OSError as err:
                 logger.info("cannot create memory cgroups under %s: %s", folder, err)
                 continue
-            probe.rmdir()
+            try:
+                _set_limit(probe, version, None)
+            except OSError as err:  # e.g. a v2 tree whose parent does not delegate the memory controller
+                logger.info("cannot limit the memory of cgroups under %s: %s", folder, err)
+                continue
+            finally:
+                probe.rmdir()
             return folder, version
     return None
+
+
+def _set_limit(group: Path, version: int, limit_mb: int | None) -> None:
+    """Write `group`'s memory limit (None: unlimited), swap included where the kernel accounts it.
+    OSError where the files are missing or not writable: a folder made in a cgroup tree gets the
+    memory files only when its parent enables the memory controller for its children."""
+    if version == 2:
+        limit = "max" if limit_mb is None else str(limit_mb * _MIB)
+        _write_existing(group / "memory.max", limit)
+        if (group / "memory.swap.max").exists():
+            _write_existing(group / "memory.swap.max", "0")
+    else:
+        limit = "-1" if limit_mb is None else str(limit_mb * _MIB)
+        _write_existing(group / "memory.limit_in_bytes", limit)
+        if (group / "memory.memsw.limit_in_bytes").exists():  # only with swap accounting on
+            _write_existing(group / "memory.memsw.limit_in_bytes", limit)
+
+
+def _write_existing(path: Path, value: str) -> None:
+    """Write a cgroup control file, which must exist (opening it never creates one)."""
+    with path.open("r+", encoding="ascii") as control:
+        control.write(value)
 
 
 @contextlib.contextmanager
@@ -81,15 +110,7 @@ def memory_cgroup(limit_mb: int) -> Iterator[Path | None]:
     group = folder / f"sdpo-sandbox-{secrets.token_hex(8)}"
     group.mkdir()
     try:
-        limit = str(limit_mb * _MIB)
-        if version == 2:
-            (group / "memory.max").write_text(limit)
-            if (group / "memory.swap.max").exists():
-                (group / "memory.swap.max").write_text("0")
-        else:
-            (group / "memory.limit_in_bytes").write_text(limit)
-            if (group / "memory.memsw.limit_in_bytes").exists():  # only with swap accounting on
-                (group / "memory.memsw.limit_in_bytes").write_text(limit)
+        _set_limit(group, version, limit_mb)
         yield group / "cgroup.procs"
     finally:
         deadline = time.monotonic() + _REMOVE_WAIT_S

