@@ -2,10 +2,11 @@
 
     .venv/bin/python benchmarks/feedback_kinds.py --root runs/code-study [--every 5] [RUN ...]
 
-Reads every run's rollout shards under ROOT (the runs of `benchmarks/study.py`, or the ones named)
-and sorts each answer by the verifier's verdict: passed; truncated; no fenced code block; the
-tested function not defined (a NameError on a name the failing test calls: the answer named its
-function otherwise); another runtime error; time limit; wrong answer. Prints one Markdown table
+Reads every run's finished rollout stages under ROOT (the runs of `benchmarks/study.py`, or the ones
+named), through their stage manifests, and sorts each answer by the verifier's verdict: passed;
+truncated; no fenced code block; the tested function not defined (a NameError on a name the failing
+test calls: the answer named its function otherwise); another runtime error; time limit; wrong
+answer. Prints one Markdown table
 per run with the share of each kind per iteration (every `--every`-th iteration and the last),
 which shows movement that a reward of 0 everywhere hides.
 """
@@ -20,6 +21,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from storage.layout import RunLayout  # noqa: E402 -- after the repository is on the path
 
 KINDS = (
     "passed",
@@ -53,20 +56,26 @@ def kind(reward: float, feedback: str | None, format_error: bool, finish_reason:
     return "wrong answer"
 
 
-def run_table(run: Path, every: int) -> str:
-    import pyarrow.parquet as pq
+def run_table(layout: RunLayout, every: int) -> str:
+    from storage.manifest import stage_done
+    from storage.shard_reader import read_stage_columns
 
-    shards = sorted(run.glob("iter-*/rollout/*.parquet"), key=lambda p: (int(p.parent.parent.name[5:]), p.name))
-    if not shards:
-        raise SystemExit(f"{run}: no rollout shards (iter-*/rollout/*.parquet)")
     per_iteration: dict[int, Counter] = {}
-    for shard in shards:
-        table = pq.read_table(shard, columns=["reward", "feedback", "format_error", "finish_reason"]).to_pylist()
-        counts = per_iteration.setdefault(int(shard.parent.parent.name[5:]), Counter())
-        counts.update(kind(r["reward"], r["feedback"], r["format_error"], r["finish_reason"]) for r in table)
+    for n in layout.iterations():
+        if not stage_done(layout, n, "rollout"):
+            continue
+        rows = read_stage_columns(layout, n, "rollout", columns=["reward", "feedback", "format_error", "finish_reason"])
+        per_iteration[n] = Counter(
+            kind(float(reward), feedback, bool(format_error), finish)
+            for reward, feedback, format_error, finish in zip(
+                rows["reward"], rows["feedback"], rows["format_error"], rows["finish_reason"], strict=True
+            )
+        )
+    if not per_iteration:
+        raise SystemExit(f"{layout.run_url}: no finished rollout stage")
     iterations = sorted(per_iteration)
     shown = [i for i in iterations if (i - iterations[0]) % every == 0 or i == iterations[-1]]
-    lines = [f"### {run.name}", "", "| iteration | " + " | ".join(KINDS) + " |", "|---" * (len(KINDS) + 1) + "|"]
+    lines = [f"### {layout.run_name}", "", "| iteration | " + " | ".join(KINDS) + " |", "|---" * (len(KINDS) + 1) + "|"]
     for i in shown:
         total = sum(per_iteration[i].values())
         lines.append(f"| {i} | " + " | ".join(f"{per_iteration[i][k] / total:.3f}" for k in KINDS) + " |")
@@ -81,12 +90,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.every < 1:
         raise SystemExit(f"--every must be >= 1, got {args.every}")
-    runs = [args.root / name for name in args.runs] or sorted(
-        p for p in args.root.iterdir() if p.is_dir() and any(p.glob("iter-*/rollout"))
-    )
-    if not runs:
-        raise SystemExit(f"{args.root}: no runs with rollout shards")
-    print("\n\n".join(run_table(run, args.every) for run in runs))
+    names = args.runs or sorted(p.name for p in args.root.iterdir() if (p / "run.json").is_file())
+    if not names:
+        raise SystemExit(f"{args.root}: no runs (folders with a run.json)")
+    print("\n\n".join(run_table(RunLayout(str(args.root), name), args.every) for name in names))
 
 
 if __name__ == "__main__":

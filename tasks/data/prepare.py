@@ -98,13 +98,15 @@ def _convert_all(
             if isinstance(record, Malformed):
                 raise BadRow(record.reason)
             row = convert(record, index, options)
-            if row is not None and row["prompt_id"] in seen:
-                raise BadRow(f"duplicate prompt_id {row['prompt_id']!r} (first at {seen[row['prompt_id']]})")
-            if row is not None and prompt_key(row) in seen_prompts:
-                raise BadRow(
-                    f"{row['prompt_id']!r} asks the same prompt as the row at {seen_prompts[prompt_key(row)]} "
-                    "(a run needs unique prompts; --skip-invalid keeps the first)"
-                )
+            if row is not None:
+                key = prompt_key(row)
+                if row["prompt_id"] in seen:
+                    raise BadRow(f"duplicate prompt_id {row['prompt_id']!r} (first at {seen[row['prompt_id']]})")
+                if key in seen_prompts:
+                    raise BadRow(
+                        f"{row['prompt_id']!r} asks the same prompt as the row at {seen_prompts[key]} "
+                        "(a run needs unique prompts; --skip-invalid keeps the first)"
+                    )
         except BadRow as exc:
             if not skip_invalid:
                 raise InvalidRowError(where, str(exc)) from None
@@ -117,7 +119,8 @@ def _convert_all(
             continue
         if options.get("source_split"):
             row["metadata"]["source_split"] = options["source_split"]
-        seen[row["prompt_id"]] = seen_prompts[prompt_key(row)] = where
+        seen[row["prompt_id"]] = where
+        seen_prompts[key] = where
         rows.append(row)
     return rows
 
