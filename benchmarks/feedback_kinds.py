@@ -1,14 +1,16 @@
-"""What the code verifier said about each iteration's answers, per run of a study.
+"""What the verifier said about each iteration's answers, per run of a study.
 
     .venv/bin/python benchmarks/feedback_kinds.py --root runs/code-study [--every 5] [RUN ...]
 
 Reads every run's finished rollout stages under ROOT (the runs of `benchmarks/study.py`, or the ones
-named), through their stage manifests, and sorts each answer by the verifier's verdict: passed;
-truncated; no fenced code block; the tested function not defined (a NameError on a name the failing
-test calls: the answer named its function otherwise); another runtime error; time limit; wrong
-answer. Prints one Markdown table
-per run with the share of each kind per iteration (every `--every`-th iteration and the last),
-which shows movement that a reward of 0 everywhere hides.
+named), through their stage manifests, and sorts each answer by the verifier's verdict. For the code
+verifier: passed; truncated; no fenced code block; the tested function not defined (a NameError on a
+name the failing test calls: the answer named its function otherwise); another runtime error; time
+limit; wrong answer. For the function-call verifier: passed; truncated; no call in the expected
+format; the wrong number of calls; a wrong or unknown function; arguments (missing, unexpected, of
+the wrong type or value) of the right function. Prints one Markdown table per run with the share of
+each kind per iteration (every `--every`-th iteration and the last), which shows movement that a
+reward of 0 everywhere hides.
 """
 
 from __future__ import annotations
@@ -24,24 +26,30 @@ sys.path.insert(0, str(REPO))
 
 from storage.layout import RunLayout  # noqa: E402 -- after the repository is on the path
 
-KINDS = (
-    "passed",
-    "truncated",
-    "no code block",
-    "tested function undefined",
-    "runtime error",
-    "time limit",
-    "wrong answer",
-)
+KINDS = {
+    "code": (
+        "passed",
+        "truncated",
+        "no code block",
+        "tested function undefined",
+        "runtime error",
+        "time limit",
+        "wrong answer",
+    ),
+    "function_call": ("passed", "truncated", "not a call", "call count", "wrong function", "arguments"),
+}
 _UNDEFINED = re.compile(r"NameError: name '([^']+)' is not defined")
+_WRONG_FUNCTION = re.compile(r"is not (?:one of the available functions|the right function)|No function should be")
 
 
-def kind(reward: float, feedback: str | None, format_error: bool, finish_reason: str) -> str:
-    """The verdict's kind (KINDS) from a rollout row's columns."""
+def kind(verifier: str, reward: float, feedback: str | None, format_error: bool, finish_reason: str) -> str:
+    """The verdict's kind (KINDS[verifier]) from a rollout row's columns."""
     if reward >= 1.0:
         return "passed"
     if finish_reason == "length":
         return "truncated"
+    if verifier == "function_call":
+        return _call_kind(feedback or "", format_error)
     if format_error:
         return "no code block"
     text = feedback or ""
@@ -56,17 +64,30 @@ def kind(reward: float, feedback: str | None, format_error: bool, finish_reason:
     return "wrong answer"
 
 
+def _call_kind(feedback: str, format_error: bool) -> str:
+    if format_error:
+        return "not a call"
+    if "function call(s), got" in feedback:
+        return "call count"
+    return "wrong function" if _WRONG_FUNCTION.search(feedback) else "arguments"
+
+
 def run_table(layout: RunLayout, every: int) -> str:
+    from storage.layout import read_run_config
     from storage.manifest import stage_done
     from storage.shard_reader import read_stage_columns
 
+    verifier = read_run_config(layout)["verifier"]["name"]
+    if verifier not in KINDS:
+        raise SystemExit(f"{layout.run_url}: verifier {verifier!r} has no verdict kinds here; known: {sorted(KINDS)}")
+    kinds = KINDS[verifier]
     per_iteration: dict[int, Counter] = {}
     for n in layout.iterations():
         if not stage_done(layout, n, "rollout"):
             continue
         rows = read_stage_columns(layout, n, "rollout", columns=["reward", "feedback", "format_error", "finish_reason"])
         per_iteration[n] = Counter(
-            kind(float(reward), feedback, bool(format_error), finish)
+            kind(verifier, float(reward), feedback, bool(format_error), finish)
             for reward, feedback, format_error, finish in zip(
                 rows["reward"], rows["feedback"], rows["format_error"], rows["finish_reason"], strict=True
             )
@@ -75,10 +96,11 @@ def run_table(layout: RunLayout, every: int) -> str:
         raise SystemExit(f"{layout.run_url}: no finished rollout stage")
     iterations = sorted(per_iteration)
     shown = [i for i in iterations if (i - iterations[0]) % every == 0 or i == iterations[-1]]
-    lines = [f"### {layout.run_name}", "", "| iteration | " + " | ".join(KINDS) + " |", "|---" * (len(KINDS) + 1) + "|"]
+    header = "| iteration | " + " | ".join(kinds) + " |"
+    lines = [f"### {layout.run_name}", "", header, "|---" * (len(kinds) + 1) + "|"]
     for i in shown:
         total = sum(per_iteration[i].values())
-        lines.append(f"| {i} | " + " | ".join(f"{per_iteration[i][k] / total:.3f}" for k in KINDS) + " |")
+        lines.append(f"| {i} | " + " | ".join(f"{per_iteration[i][k] / total:.3f}" for k in kinds) + " |")
     return "\n".join(lines)
 
 

@@ -1,10 +1,10 @@
 """Run storage: the only code that knows paths and formats (fsspec URLs, Parquet shards, manifests)."""
 
+from storage.cache import download_checkpoint, pinned_cache
 from storage.checkpoints import (
     LineageRecord,
     checkpoint_exists,
     checkpoint_iteration,
-    download_checkpoint,
     format_lineage,
     lineage,
     read_checkpoint_manifest,
@@ -71,6 +71,7 @@ __all__ = [
     "format_lineage",
     "iteration_committed",
     "lineage",
+    "pinned_cache",
     "ragged",
     "read_batches",
     "read_checkpoint_manifest",

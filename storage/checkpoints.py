@@ -1,27 +1,24 @@
-"""Checkpoints: upload a local folder with a manifest, download it into a digest-keyed cache, lineage.
+"""Checkpoints: upload a local folder with a manifest, resolve references, lineage.
 
 `checkpoints/iter-<n>/<kind>/` holds the weights iteration n's train stage produced, any folder shape
 (HF safetensors, Megatron distributed checkpoint with sub-directories). Kinds: policy (HF weights for
 the engines), teacher (a separately kept teacher, e.g. EMA), megatron (distributed checkpoint with
 optimizer state, for resuming training).
-The manifest digest identifies the checkpoint; the local cache is `<cache_dir>/<digest>/`, reused
-when present and verified. Each manifest names its parent checkpoint (or an external base model)
+The manifest digest identifies the checkpoint (`storage.cache` keeps local copies by it). Each manifest names its parent checkpoint (or an external base model)
 and the stage manifests it was trained on, which `lineage` follows.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
-import shutil
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from storage.errors import AlreadyCommittedError, ChecksumMismatchError, NotCommittedError
+from storage.errors import AlreadyCommittedError, NotCommittedError
 from storage.faults import crash_point
 from storage.layout import CHECKPOINT_KINDS, MANIFEST_NAME, RunLayout, parse_iteration_name
 from storage.manifest import (
@@ -34,9 +31,7 @@ from storage.manifest import (
     verify_ref,
     write_manifest,
 )
-from storage.objects import sha256_local_file
-from storage.retention import check_not_pruned, is_pruned
-from storage.scratch import owner_tag
+from storage.retention import is_pruned
 from storage.urls import join
 
 logger = logging.getLogger(__name__)
@@ -162,163 +157,6 @@ def discard_checkpoint(layout: RunLayout, n: int, kind: str) -> bool:
 def resolve_checkpoint(layout: RunLayout, ref: str | int, kind: str = "policy") -> Manifest:
     """The checkpoint manifest for `ref`: "latest" (of the last committed iteration), "iter-N" or N."""
     return read_checkpoint_manifest(layout, checkpoint_iteration(layout, ref), kind)
-
-
-def _local_copy_problem(folder: Path, manifest: Manifest, *, verify: bool) -> str | None:
-    expected = {e["name"]: e for e in manifest.data["files"]}
-    present = {p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()}
-    if present != set(expected):
-        missing, extra = sorted(set(expected) - present)[:3], sorted(present - set(expected))[:3]
-        return f"files differ: missing {missing}, extra {extra}"
-    for name, entry in expected.items():
-        path = folder / name
-        if path.stat().st_size != entry["bytes"]:
-            return f"{name} has {path.stat().st_size} bytes, manifest says {entry['bytes']}"
-        if verify and sha256_local_file(path) != entry["sha256"]:
-            return f"{name} sha256 differs from the manifest"
-    return None
-
-
-def download_checkpoint(
-    layout: RunLayout,
-    ref: str | int,
-    kind: str = "policy",
-    *,
-    cache_dir: str | os.PathLike[str],
-    verify: bool = True,
-    max_cache_bytes: int | None = None,
-) -> Path:
-    """Local folder holding checkpoint `ref`: `<cache_dir>/<manifest digest>/`, downloaded if needed.
-
-    A cached copy is reused after checking it against the manifest (sha256 when `verify`); a damaged
-    one is downloaded again. Downloads land in a temp folder renamed into place when complete. With
-    `max_cache_bytes`, the least recently used checkpoints are evicted after a download until the
-    cache's checkpoints fit (never the one returned).
-    """
-    manifest = resolve_checkpoint(layout, ref, kind)
-    check_not_pruned(layout, checkpoint_iteration(layout, ref), kind)
-    cache = Path(cache_dir)
-    target = cache / manifest.sha256
-    if target.is_dir():
-        problem = _local_copy_problem(target, manifest, verify=verify)
-        if problem is None:
-            logger.info("checkpoint %s %s: using cached %s", kind, ref, target)
-            os.utime(target)  # recently used: the last to be evicted from a bounded cache
-            return target
-        logger.warning("cached checkpoint %s is damaged (%s); downloading again", target, problem)
-        shutil.rmtree(target)
-    tmp = cache / f".{manifest.sha256}.tmp{owner_tag()}"
-    try:
-        for entry in manifest.data["files"]:
-            url = layout.url(entry["path"])
-            local = tmp / entry["name"]
-            copied = layout.store.get_to_local(url, local)
-            if verify and (actual := copied or sha256_local_file(local)) != entry["sha256"]:
-                raise ChecksumMismatchError(url, expected=entry["sha256"], actual=actual)
-        try:
-            os.rename(tmp, target)
-        except OSError:  # another process finished the same download first
-            if not target.is_dir():
-                raise
-            logger.info("checkpoint %s appeared in the cache meanwhile; using it", target)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-    if max_cache_bytes is not None:
-        evict_least_recently_used(cache, max_bytes=max_cache_bytes, keep=target)
-    return target
-
-
-def adopt_into_cache(
-    local_dir: str | os.PathLike[str],
-    manifest: Manifest,
-    *,
-    cache_dir: str | os.PathLike[str],
-    max_cache_bytes: int | None = None,
-) -> Path:
-    """Move the folder a checkpoint was just uploaded from into the local cache as that checkpoint
-    (`<cache_dir>/<manifest digest>/`), so the next reader on this machine does not copy it back.
-
-    `local_dir` must hold exactly the files the manifest lists (what `upload_checkpoint` uploaded);
-    it must be on the cache's file system. A reader still checks the copy against the manifest.
-    `max_cache_bytes` bounds the cache as a download does: older checkpoints are evicted first.
-    """
-    source, target = Path(local_dir), Path(cache_dir) / manifest.sha256
-    problem = _local_copy_problem(source, manifest, verify=False)
-    if problem is not None:
-        raise ValueError(f"{source} is not the upload of {manifest.path}: {problem}")
-    if target.is_dir():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        os.rename(source, target)
-    except OSError:  # a reader downloaded it meanwhile
-        if not target.is_dir():
-            raise
-    if max_cache_bytes is not None:
-        evict_least_recently_used(target.parent, max_bytes=max_cache_bytes, keep=target)
-    return target
-
-
-def _folder_bytes(folder: Path) -> int:
-    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
-
-
-def evict_least_recently_used(cache_dir: Path, *, max_bytes: int, keep: Path) -> list[Path]:
-    """Remove cached checkpoints (`<cache_dir>/<64 hex digits>/`), least recently used first, until
-    they hold at most `max_bytes`; `keep` stays. Returns the removed folders."""
-    entries = [p for p in cache_dir.iterdir() if p.is_dir() and len(p.name) == 64 and p != keep]
-    sizes = {p: _folder_bytes(p) for p in entries}
-    total = sum(sizes.values()) + (_folder_bytes(keep) if keep.is_dir() else 0)
-    removed = []
-    for folder in sorted(entries, key=lambda p: p.stat().st_mtime):
-        if total <= max_bytes:
-            break
-        shutil.rmtree(folder, ignore_errors=True)
-        total -= sizes[folder]
-        removed.append(folder)
-    if removed:
-        logger.info(
-            "evicted %d checkpoint(s) from the cache %s to stay under %d bytes", len(removed), cache_dir, max_bytes
-        )
-    return removed
-
-
-def download_checkpoint_files(
-    layout: RunLayout,
-    ref: str | int,
-    kind: str = "policy",
-    *,
-    include: Callable[[str], bool],
-    cache_dir: str | os.PathLike[str],
-    verify: bool = True,
-) -> Path:
-    """Local folder holding only the files of checkpoint `ref` whose names pass `include`.
-
-    For readers that need part of a checkpoint (a tokenizer without the weights). The folder is
-    `<cache_dir>/<manifest digest>-<digest of the chosen names>/`, reused when its files match the
-    manifest (sha256 when `verify`); fails when `include` keeps no file.
-    """
-    manifest = resolve_checkpoint(layout, ref, kind)
-    entries = [e for e in manifest.data["files"] if include(e["name"])]
-    if not entries:
-        names = [e["name"] for e in manifest.data["files"]][:8]
-        raise FileNotFoundError(f"checkpoint {kind} of {ref} has no file that `include` keeps; files: {names}")
-    chosen = hashlib.sha256("\n".join(sorted(e["name"] for e in entries)).encode()).hexdigest()[:16]
-    target = Path(cache_dir) / f"{manifest.sha256}-{chosen}"
-    for entry in entries:
-        local = target / entry["name"]
-        fresh = local.is_file() and local.stat().st_size == entry["bytes"]
-        if fresh and (not verify or sha256_local_file(local) == entry["sha256"]):
-            continue
-        url = layout.url(entry["path"])
-        partial = local.with_name(f".{local.name}.tmp{owner_tag()}")
-        copied = layout.store.get_to_local(url, partial)
-        if verify and (actual := copied or sha256_local_file(partial)) != entry["sha256"]:
-            partial.unlink()
-            raise ChecksumMismatchError(url, expected=entry["sha256"], actual=actual)
-        os.replace(partial, local)
-    return target
 
 
 # -- lineage ---------------------------------------------------------------------------------

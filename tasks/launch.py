@@ -87,10 +87,14 @@ STAGE_BODIES: dict[str, Callable[[str, str, int], Any]] = {
 
 
 def run_stage(stage: str, root: str, run: str, iteration: int) -> Any:
-    """The stage's body in this process: what `sdpo stage` runs."""
+    """The stage's body in this process: what `sdpo stage` runs. The checkpoints it takes from the
+    local cache stay pinned until it returns (another run sharing the cache cannot evict them)."""
+    from storage.cache import pinned_cache
+
     if stage not in STAGE_BODIES:
         raise ValueError(f"unknown stage {stage!r}; stages are {STAGES}")
-    return STAGE_BODIES[stage](root, run, iteration)
+    with pinned_cache():
+        return STAGE_BODIES[stage](root, run, iteration)
 
 
 def stage_command(stage: str, root: str, run: str, iteration: int, spec: Mapping[str, Any]) -> list[str]:

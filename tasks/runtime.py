@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from storage.checkpoints import download_checkpoint
+from storage.cache import download_checkpoint
 from storage.layout import RunLayout, read_run_config
 from tasks.config import RunConfig, build_config
 
@@ -84,7 +84,8 @@ def cache_bound_bytes(cfg: RunConfig) -> int | None:
 def checkpoint_dir(run: Run, iteration: int, kind: str) -> Path:
     """A verified local copy of checkpoint `kind` ('policy' / 'teacher') written by `iteration`.
 
-    Iteration 0 is the initial model.
+    Iteration 0 is the initial model. Pinned in the cache while the enclosing stage runs
+    (`storage.cache.pinned_cache`).
     """
     return download_checkpoint(
         run.layout,

@@ -103,9 +103,11 @@ def evaluate(root: str, run: str, iteration: int, launch: dict[str, Any] | None 
 @task(name="test-time-baseline", task_run_name="{run}/baseline", **RETRIES)
 def test_time_baseline(root: str, run: str) -> dict[str, float]:
     """The base model's attempts at the test-time questions (stage `baseline` of iteration 0); its metrics."""
+    from storage.cache import pinned_cache
     from tasks.test_time import run_baseline
 
-    return dict(run_baseline(root, run)["metrics"])
+    with pinned_cache():
+        return dict(run_baseline(root, run)["metrics"])
 
 
 @task(name="prefetch", task_run_name="{run}/iter-{iteration:04d}/prefetch", **RETRIES)

@@ -124,7 +124,8 @@ def run_train(root: str, run_name: str, iteration: int) -> dict | None:
     """
     import torch.distributed as dist
 
-    from storage.checkpoints import adopt_into_cache, discard_checkpoint, resolve_checkpoint, upload_checkpoint
+    from storage.cache import adopt_into_cache
+    from storage.checkpoints import discard_checkpoint, resolve_checkpoint, upload_checkpoint
     from storage.faults import crash_point
     from storage.layout import CHECKPOINT_KINDS
     from storage.manifest import read_stage_manifest, stage_done

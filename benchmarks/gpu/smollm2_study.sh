@@ -9,9 +9,10 @@
 #   MODE=study  carry .carry/b    the second half and the gguf wheel; the file is joined, checked against
 #                                 the package's sha256, converted once, then the study runs
 # A study call stopped by STUDY_TIMEOUT resumes where it stopped when MODE=study is sent again.
-# Each run keeps the weights of its last 2 iterations and the full state of its last (the device's
+# Each run keeps the weights of its last 2 iterations and the full state of its last, written every
+# iteration: a resumed call then replays nothing (GPU kernels are not bit-reproducible) (the device's
 # disk is 64 GiB; the six runs share a 12 GB checkpoint cache; weights in bf16).
-# The table, the plot, each run's log and MLflow store (and for code configs the verdict kinds per
+# The table, the plot, each run's log and MLflow store (and for code and tools configs the verdict kinds per
 # iteration, benchmarks/feedback_kinds.py) come back in $OUT.
 set -o pipefail
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
@@ -47,12 +48,13 @@ study)
     "${arms[@]}" --seeds $SEEDS --jobs "$JOBS" --plot "$OUT/$STUDY.png" \
     --set iterations="$ITERATIONS" --set model.dtype=bfloat16 --set rollout.dtype=bfloat16 --set rollout.device=cuda --set teacher.backend=megatron --set train.attention=sdpa \
     --set storage.retention.weights.last=2 --set storage.retention.resumable.last=1 --set storage.cache_max_gb=12 --set tracking.log_model=false \
+    --set train.megatron_checkpoint_every=1 \
     2>&1 | tee "$OUT/study.log"
   echo "study exit: $?"
   for log in /tmp/smolstudy/*.log; do echo "== $log"; grep -E "Error|error" "$log" | tail -2 | cut -c1-300; done
   for run in /tmp/smolstudy/*/; do echo "$run: $(ls $run 2>/dev/null | tr '\n' ' ')"; done
   df -h . | tail -1; du -sh /tmp/smolstudy .sdpo/cache
-  [[ $CONFIG == configs/code_* ]] && python3 benchmarks/feedback_kinds.py --root /tmp/smolstudy > "$OUT/feedback_kinds.md"
+  [[ $CONFIG == configs/code_* || $CONFIG == configs/tools_* ]] && python3 benchmarks/feedback_kinds.py --root /tmp/smolstudy > "$OUT/feedback_kinds.md"
   # the runs' logs and MLflow stores (shards and weights stay: a call brings back tens of MB at most)
   (cd /tmp && find smolstudy -maxdepth 1 \( -name '*.log' -o -name '*.db' \) -print0 | tar -czf "$OUT/runs.tgz" --null -T -)
   ls -la "$OUT"

@@ -257,7 +257,19 @@ def _to_sympy_text(s: str) -> str | None:
         return None
     if any(len(w) > 1 and w not in _SYMBOLIC_FUNCTIONS for w in re.findall(r"[A-Za-z]+", s)):
         return None  # only known functions and one-letter variables: parse_expr evaluates its input
+    if not _balanced(s):
+        return None  # sympy's implicit-multiplication pass indexes past the end on ")x(" (IndexError)
     return s
+
+
+def _balanced(s: str) -> bool:
+    """Whether every parenthesis in `s` closes one opened before it, and all are closed."""
+    depth = 0
+    for c in s:
+        depth += (c == "(") - (c == ")")
+        if depth < 0:
+            return False
+    return depth == 0
 
 
 @lru_cache(maxsize=4096)

@@ -74,11 +74,13 @@ def _log_policy(tracker: Any, run: Any, iteration: int, name: str, *, registered
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from storage.cache import pinned_cache
     from tasks.runtime import checkpoint_dir
 
-    folder = checkpoint_dir(run, iteration, "policy")
-    model = AutoModelForCausalLM.from_pretrained(str(folder))
-    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    with pinned_cache():
+        folder = checkpoint_dir(run, iteration, "policy")
+        model = AutoModelForCausalLM.from_pretrained(str(folder))
+        tokenizer = AutoTokenizer.from_pretrained(str(folder))
     mlflow.set_tracking_uri(tracker.uri)
     with mlflow.start_run(run_id=tracker.run_id):
         mlflow.transformers.log_model(

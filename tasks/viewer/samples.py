@@ -51,7 +51,7 @@ def _not_weights(name: str) -> bool:
 def policy_tokenizer(data: RunData, n: int) -> Any:
     """The tokenizer of the policy that sampled iteration n (checkpoint n - 1), fetched without the
     checkpoint's weights."""
-    from storage.checkpoints import download_checkpoint_files
+    from storage.cache import download_checkpoint_files
 
     cfg = data.run.cfg.storage
     folder = download_checkpoint_files(

@@ -57,7 +57,7 @@ def test_a_killed_stage_process_fails_the_stage_and_the_next_attempt_resumes(tmp
 def _weights(layout: object, iteration: int) -> dict:
     from safetensors.torch import load_file
 
-    from storage.checkpoints import download_checkpoint
+    from storage.cache import download_checkpoint
 
     folder = download_checkpoint(layout, iteration, "policy", cache_dir=str(Path(layout.local_dir).parent / "cache"))
     return load_file(str(folder / "model.safetensors"))

@@ -93,7 +93,7 @@ def test_cached_checkpoint_is_reused_without_downloading(
 def test_an_adopted_upload_folder_is_the_cached_copy_and_still_checked(
     layout: RunLayout, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from storage.checkpoints import adopt_into_cache
+    from storage.cache import adopt_into_cache
 
     source = _megatron_like(tmp_path / "scratch" / "ckpt")
     expected = {p.relative_to(source).as_posix(): p.read_bytes() for p in source.rglob("*") if p.is_file()}
@@ -121,7 +121,7 @@ def test_adopting_keeps_the_cache_within_its_bound(layout: RunLayout, tmp_path: 
     side by side sharing a cache) fills the disk however small `storage.cache_max_gb` is."""
     import os
 
-    from storage.checkpoints import adopt_into_cache
+    from storage.cache import adopt_into_cache
 
     cache = tmp_path / "cache"
     adopted = []
@@ -136,7 +136,7 @@ def test_adopting_keeps_the_cache_within_its_bound(layout: RunLayout, tmp_path: 
 
 
 def test_a_folder_that_is_not_the_upload_is_not_adopted(layout: RunLayout, tmp_path: Path) -> None:
-    from storage.checkpoints import adopt_into_cache
+    from storage.cache import adopt_into_cache
 
     source = _megatron_like(tmp_path / "ckpt")
     manifest = upload_checkpoint(source, layout, 0, "policy", parent=None)
@@ -176,7 +176,9 @@ def test_flipped_byte_in_store_is_detected_on_download(layout: RunLayout, tmp_pa
     with pytest.raises(ChecksumMismatchError) as info:
         download_checkpoint(layout, 0, "policy", cache_dir=tmp_path / "cache")
     assert url in str(info.value) and entry["sha256"] in str(info.value)
-    assert list((tmp_path / "cache").iterdir()) == []  # nothing half-downloaded stays
+    cache = tmp_path / "cache"
+    assert [p.name for p in cache.iterdir()] == ["pins"]  # nothing half-downloaded stays, no pin either
+    assert list((cache / "pins").iterdir()) == []
 
 
 def test_committed_checkpoint_is_never_overwritten_partial_upload_is_redone(layout: RunLayout, tmp_path: Path) -> None:
@@ -268,7 +270,7 @@ def test_empty_or_missing_folder_is_refused(layout: RunLayout, tmp_path: Path) -
 def test_part_of_a_checkpoint_downloads_only_the_files_chosen(
     layout: RunLayout, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from storage.checkpoints import download_checkpoint_files
+    from storage.cache import download_checkpoint_files
 
     source = _megatron_like(tmp_path / "ckpt")
     manifest = upload_checkpoint(source, layout, 0, "policy", parent=None)

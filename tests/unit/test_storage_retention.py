@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from storage.checkpoints import download_checkpoint, evict_least_recently_used, lineage, upload_checkpoint
+from storage.cache import download_checkpoint, evict_least_recently_used
+from storage.checkpoints import lineage, upload_checkpoint
 from storage.layout import RunLayout, create_or_open_run
 from storage.manifest import commit_iteration
 from storage.retention import KeepRule, PrunedCheckpointError, apply, is_pruned, plan

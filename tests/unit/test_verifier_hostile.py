@@ -61,6 +61,7 @@ HOSTILE = {
     "unclosed fences": "```python\n" * 20_000,
     "Arabic-Indic 42": "\\boxed{٤٢}",
     "fullwidth 42": "\\boxed{４２}",
+    "a closing brace before an opening one (sympy's parser IndexError)": "#### }\\sqrt{",
 }
 
 
