@@ -162,13 +162,13 @@ def download_checkpoint(
                 logger.info("checkpoint %s %s: using cached %s", kind, ref, target)
                 os.utime(target)  # recently used: the last to be evicted from a bounded cache
                 return target
-            # repair alone: other readers of the damaged copy hold shared pins until they let go
+            # remove it alone: other readers of the damaged copy hold shared pins until they let go
             fcntl.flock(fd, fcntl.LOCK_EX)
             if (problem := _local_copy_problem(target, manifest, verify=verify)) is not None:
                 logger.warning("cached checkpoint %s is damaged (%s); downloading again", target, problem)
                 shutil.rmtree(target)
-                _fetch(layout, manifest, target, verify=verify)
-            # back to shared; the kernel drops the exclusive lock first, so an evictor may slip in
+            # back to shared (the kernel drops the exclusive lock first: an evictor may slip in, and
+            # then the folder is simply fetched below)
             fcntl.flock(fd, fcntl.LOCK_SH)
         if not target.is_dir():
             _fetch(layout, manifest, target, verify=verify)
@@ -244,7 +244,7 @@ def evict_least_recently_used(cache_dir: Path, *, max_bytes: int, keep: Path | N
     """Remove cached checkpoints (`<cache_dir>/<64 hex digits>/`), least recently used first, until
     they hold at most `max_bytes`; `keep` and every pinned checkpoint stay (the cache may then stay
     over the bound until their readers finish). Returns the removed folders."""
-    used = {p: t for p in cache_dir.iterdir() if len(p.name) == 64 and (t := _mtime(p)) is not None}
+    used = {p: t for p in cache_dir.iterdir() if len(p.name) == 64 and p.is_dir() and (t := _mtime(p)) is not None}
     sizes = {p: _folder_bytes(p) for p in used}
     total = sum(sizes.values())
     removed, busy = [], 0
