@@ -11,7 +11,8 @@ manifests, HF and EMA checkpoints every iteration, MLflow); TRL's is
 benchmarks/gpu/trl_sdpo.py. Runs alternate A/B/A/B, TRL first in each pair. Each side's figure is
 its steady iteration (the median of iterations 2 onward in a run, so our last iteration's full-state
 save counts once, not as a mean), then the median over pairs; peak RSS is the
-whole process tree's (the CLI's Prefect server and stage processes included), sampled every 0.2 s.
+whole process tree's (the CLI's Prefect server and stage processes included), sampled every 0.2 s,
+as RSS and as PSS (shared pages split between the processes that map them).
 TRL's trainer is imported from the bench venv, never from the project's.
 """
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -42,12 +44,18 @@ CPU = [
     "train.fused_kernels=false",
     "train.loss_compile=false",
     "train.loss_chunk_tokens=0",
+    "train.pack_tokens=4096",  # about TRL's micro-batch of 32 answers in tokens (the GPU config packs 16k)
 ]
 
 
-def run_measured(command: list[str], *, env: dict[str, str], log: Path) -> tuple[list[dict[str, Any]], float, float]:
-    """Run `command`; (its RESULT records, wall seconds, peak RSS of its process tree in GiB)."""
-    peak = 0.0
+def run_measured(
+    command: list[str], *, env: dict[str, str], log: Path
+) -> tuple[list[dict[str, Any]], float, float, float]:
+    """Run `command`; (its RESULT records, wall seconds, peak RSS and peak PSS of its process tree
+    in GiB). RSS counts a page shared by several processes of the tree (a forked writer's copy of
+    its parent, shared libraries) once per process; PSS splits it between them, so the tree's PSS
+    is the memory it really holds."""
+    peak = peak_pss = 0.0
     with log.open("w") as out:
         started = time.perf_counter()
         process = subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
@@ -55,11 +63,13 @@ def run_measured(command: list[str], *, env: dict[str, str], log: Path) -> tuple
         done = threading.Event()
 
         def sample() -> None:
-            nonlocal peak
+            nonlocal peak, peak_pss
             while not done.is_set():
                 try:
-                    tree = [root, *root.children(recursive=True)]
-                    peak = max(peak, sum(p.memory_info().rss for p in tree if p.is_running()) / 2**30)
+                    tree = [p for p in [root, *root.children(recursive=True)] if p.is_running()]
+                    memory = [p.memory_full_info() for p in tree]
+                    peak = max(peak, sum(m.rss for m in memory) / 2**30)
+                    peak_pss = max(peak_pss, sum(m.pss for m in memory) / 2**30)
                 except psutil.Error:
                     pass  # a process of the tree ended between the listing and the reading
                 done.wait(0.2)
@@ -73,20 +83,21 @@ def run_measured(command: list[str], *, env: dict[str, str], log: Path) -> tuple
     if code != 0:
         raise SystemExit(f"{' '.join(command[:4])} ... exited with {code}; its output is in {log}")
     records = [json.loads(line[7:]) for line in log.read_text().splitlines() if line.startswith("RESULT ")]
-    return records, wall, peak
+    return records, wall, peak, peak_pss
 
 
 def one_pair(size: str, pair: int, args: argparse.Namespace, env: dict[str, str]) -> dict[str, Any]:
     prompts, group, tokens, micro = SIZES[size]
     out = args.out / f"{size}-{pair}"
-    trl, trl_wall, trl_rss = run_measured(
+    shutil.rmtree(out, ignore_errors=True)  # a run left by an earlier invocation would only be read back
+    trl, trl_wall, trl_rss, trl_pss = run_measured(
         [sys.executable, "-m", "benchmarks.gpu.trl_sdpo", "--shape", args.shape, "--vocab", str(args.vocab)]
         + ["--out", str(out / "trl"), "--iterations", str(args.iterations), "--prompts", str(prompts)]
         + ["--group", str(group), "--new-tokens", str(tokens), "--top-k", "16", "--micro-batch", str(micro)],
         env=env,
         log=out.with_suffix(".trl.log"),
     )
-    ours, ours_wall, ours_rss = run_measured(
+    ours, ours_wall, ours_rss, ours_pss = run_measured(
         [str(PROJECT_PYTHON), "-m", "benchmarks.gpu.pipeline_run", "--shape", args.shape, "--vocab", str(args.vocab)]
         + ["--out", str(out / "ours"), "--iterations", str(args.iterations), *CPU]
         + [f"data.prompts_per_iteration={prompts}", f"rollout.group_size={group}"]
@@ -116,6 +127,8 @@ def one_pair(size: str, pair: int, args: argparse.Namespace, env: dict[str, str]
         "ours_process_s": round(ours_wall, 1),
         "trl_peak_rss_gib": round(trl_rss, 2),
         "ours_peak_rss_gib": round(ours_rss, 2),
+        "trl_peak_pss_gib": round(trl_pss, 2),
+        "ours_peak_pss_gib": round(ours_pss, 2),
     }
 
 
@@ -147,9 +160,10 @@ def main() -> None:
             rows.append(row)
             print("RESULT " + json.dumps({"bench": "peer_trl_pair", **row}), flush=True)
     print(
-        "\n| work | TRL s/step | ours s/iteration | ours / TRL | ours compute s | outside stages | peak RSS ours / TRL GiB |"
+        "\n| work | TRL s/step | ours s/iteration | ours / TRL | ours compute s | outside stages "
+        "| peak RSS ours / TRL GiB | peak PSS ours / TRL GiB |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for size in args.sizes:
         mine = [r for r in rows if r["size"] == size]
         med = {k: statistics.median(r[k] for r in mine) for k in mine[0] if k not in ("size", "pair")}
@@ -157,7 +171,8 @@ def main() -> None:
         print(
             f"| {prompts} × {group}, ≤ {tokens} new tokens | {med['trl_s']:.2f} | {med['ours_s']:.2f} | "
             f"**{med['ours_s'] / med['trl_s']:.2f}** | {med['ours_compute_s']:.2f} | {med['outside_stages_share']:.1%} | "
-            f"{med['ours_peak_rss_gib']:.2f} / {med['trl_peak_rss_gib']:.2f} |"
+            f"{med['ours_peak_rss_gib']:.2f} / {med['trl_peak_rss_gib']:.2f} | "
+            f"{med['ours_peak_pss_gib']:.2f} / {med['trl_peak_pss_gib']:.2f} |"
         )
 
 

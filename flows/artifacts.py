@@ -1,5 +1,5 @@
-"""Prefect artifacts of a run: one iteration summary, one sample table and links per iteration,
-and one summary of the whole run at its end.
+"""Prefect artifacts of a run: one iteration summary (with the checkpoint and MLflow links) and one
+sample table per iteration, and one summary of the whole run at its end.
 
 Keys are per SDPO run (`sdpo-<run>-iteration`, `sdpo-<run>-samples`, `sdpo-<run>-summary`), so
 Prefect's artifact view keeps every iteration as a version of the same key.
@@ -78,8 +78,9 @@ def iteration_markdown(
 
 
 def publish_iteration(run: Any, tracker: Any, n: int, metrics: dict[str, float], samples: list[dict[str, Any]]) -> None:
-    """Iteration n's markdown summary, sample table and links, as Prefect artifacts of this flow run."""
-    from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
+    """Iteration n's markdown summary (its links included) and sample table, as Prefect artifacts
+    of this flow run: two API calls per iteration."""
+    from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
     name = run.cfg.name
     checkpoint_url = run.layout.checkpoint_dir(n, "policy")
@@ -94,11 +95,6 @@ def publish_iteration(run: Any, tracker: Any, n: int, metrics: dict[str, float],
         key=artifact_key(name, "samples"),
         description=f"{name} iteration {n}: prompt, response, reward, feedback, teacher context",
     )
-    create_link_artifact(
-        checkpoint_url, link_text=f"policy checkpoint of iteration {n}", key=artifact_key(name, "checkpoint")
-    )
-    if link is not None:
-        create_link_artifact(link, link_text=f"MLflow run of {name}", key=artifact_key(name, "mlflow"))
 
 
 def publish_run(run: Any, tracker: Any, summary: dict[str, Any]) -> None:

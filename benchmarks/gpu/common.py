@@ -38,6 +38,14 @@ SHAPES: dict[str, dict[str, Any]] = {
         num_key_value_heads=4,
         head_dim=64,
     ),  # the GPU tests (head_dim 64 suits the bf16 kernels)
+    "135m": dict(
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+    ),  # SmolLM2-135M's shape (in the Qwen3 architecture: QK-norm added)
     "1.7b": dict(
         hidden_size=2048,
         intermediate_size=6144,

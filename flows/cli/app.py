@@ -60,7 +60,8 @@ def prefect_local_mode(run_name: str):
 
     Each run gets its own Prefect home (.sdpo/prefect/<run>) unless PREFECT_HOME is set: two
     ephemeral servers writing one SQLite database lock each other out, and comparing an SDPO run
-    with its baseline means running both at once. Heartbeats exist to spot crashed runs on a real
+    with its baseline means running both at once. A new home starts from a migrated database
+    (`flows.prefect_home`). Heartbeats exist to spot crashed runs on a real
     server; locally they only add a second of join time to every flow run.
     """
     if os.environ.get("PREFECT_API_URL"):
@@ -73,6 +74,9 @@ def prefect_local_mode(run_name: str):
         home = Path(".sdpo", "prefect", run_name).resolve()
         home.mkdir(parents=True, exist_ok=True)
         os.environ["PREFECT_HOME"] = str(home)
+    from flows.prefect_home import seed_home
+
+    seed_home(Path(os.environ["PREFECT_HOME"]).expanduser())
     from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
 
     with temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):

@@ -13,8 +13,43 @@ logger = logging.getLogger(__name__)
 Row = dict[str, Any]
 
 
+_SPLITS: dict[str, tuple[list[Row], list[Row]]] = {}  # key -> splits; a few runs' worth at most
+_SPLITS_KEPT = 4
+
+
+def _splits_key(data: DataConfig, seed: int) -> str:
+    """What the splits depend on: the data config, the seed and, for prepared files, each file's
+    size and modification stamp as its store reports them (a file replaced in place is read anew)."""
+    import json
+
+    from storage.urls import resolve
+
+    files = {}
+    for url in (data.path, data.eval_path):
+        if url:
+            fs, path = resolve(url, None)
+            info = fs.info(path)  # an Arrow folder: every file's own stamp
+            files[url] = fs.ls(path, detail=True) if info["type"] == "directory" else info
+    return json.dumps([data.model_dump(mode="json"), seed, files], sort_keys=True, default=str)
+
+
 def load_splits(data: DataConfig, *, seed: int) -> tuple[list[Row], list[Row]]:
-    """(train rows, eval rows) for the configured data source."""
+    """(train rows, eval rows) for the configured data source.
+
+    Read and checked once per process for the same config, seed and files (an iteration's stages
+    ask for them every iteration); each call gets its own lists of the shared rows, which no
+    caller changes.
+    """
+    key = _splits_key(data, seed)
+    if key not in _SPLITS:
+        if len(_SPLITS) >= _SPLITS_KEPT:
+            _SPLITS.pop(next(iter(_SPLITS)))
+        _SPLITS[key] = _read_splits(data, seed=seed)
+    train, held_out = _SPLITS[key]
+    return list(train), list(held_out)
+
+
+def _read_splits(data: DataConfig, *, seed: int) -> tuple[list[Row], list[Row]]:
     if data.source == "arithmetic":
         from tasks.data.demo import make_splits
 

@@ -10,8 +10,12 @@ Ordering: call `apply_cpu_compat()` after `parallel_state.initialize_model_paral
 `tensor_parallel.model_parallel_cuda_manual_seed()` (the seed call reads the "CUDA" RNG).
 `tasks.megatron.parallel.init_parallel` does exactly that.
 
+One patch is not about the CPU and applies on every device: `patch_sync_save_queue`, which the
+trainer's `save_megatron` applies before each save (a synchronous save needs no spawned process).
+
 Scope and limits:
-- Nothing is patched when `torch.cuda.is_available()`; on a GPU machine Megatron runs unmodified.
+- No CPU patch is applied when `torch.cuda.is_available()`; on a GPU machine Megatron runs
+  unmodified except for the save queue above.
 - The device rewrite (`patch_cuda_tensor_creation`) is a `TorchFunctionMode`, and torch keeps its
   mode stack per thread. `apply_cpu_compat()` therefore enters the mode once in every thread that
   calls it; a thread that runs Megatron code must call it (or `init_parallel`) first.
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import queue
 import sys
 import threading
 import warnings
@@ -43,6 +48,7 @@ __all__ = [
     "patch_cuda_rng",
     "patch_cuda_tensor_creation",
     "patch_clip_grads",
+    "patch_sync_save_queue",
 ]
 
 # megatron-core versions these patches were written against and checked with.
@@ -216,6 +222,48 @@ def patch_clip_grads() -> None:
         if is_megatron and vars(module).get(_CLIP_NAME) is original:
             setattr(module, _CLIP_NAME, _clip_grad_by_total_norm_cpu)
     _applied.add("clip_grads")
+
+
+def _in_process_results_queue(mp_mode: str = "spawn") -> queue.Queue:
+    """The results queue of a synchronous Megatron save: written and read by one process, so no
+    multiprocessing context (`mp_mode`, 0.19.2's parameter) is needed."""
+    return queue.Queue()
+
+
+# The module function that makes the results queue, by megatron-core version (public since 0.19).
+_RESULTS_QUEUE_FACTORY = {"0.16.1": "_get_write_results_queue", "0.19.2": "get_write_results_queue"}
+
+
+def patch_sync_save_queue() -> None:
+    """Give Megatron's synchronous checkpoint save an in-process results queue instead of a
+    `multiprocessing.Manager` started with the "spawn" method. Applied on every device.
+
+    Why: `dist_checkpointing/strategies/filesystem_async.py` creates
+    `mp.get_context("spawn").Manager().Queue()` the first time a process saves
+    (`_get_write_results_queue`, 0.16.1 line 51; `get_write_results_queue`, 0.19.2 line 53,
+    called from `FileSystemWriterAsync.prepare_write_data`). A spawned manager is a fresh
+    interpreter that re-imports the caller's `__main__` (the whole CLI: torch, Megatron, Prefect,
+    MLflow): 6-7 s and about 370 MB resident on the CPU for every process that saves, kept until
+    it exits. In a synchronous save (`dist_checkpointing.save` without `async_sharded_save`, the
+    only kind the trainer makes) the queue is filled by `write_preloaded_data_multiproc` and read
+    by `retrieve_write_results` in the same process, so a `queue.Queue` carries the same results;
+    the per-bucket writers (forked processes in 0.16.1, threads in 0.19.2) still report through
+    their own local queues. An asynchronous save would need the cross-process queue: do not
+    apply this with `async_sharded_save=True`.
+    """
+    if "sync_save_queue" in _applied:
+        return
+    import megatron.core.dist_checkpointing.strategies.filesystem_async as fs_async
+
+    version = _megatron_version()
+    factory = _RESULTS_QUEUE_FACTORY.get(version)
+    if factory is None or factory not in vars(fs_async):
+        raise RuntimeError(
+            f"megatron-core {version}: patch_sync_save_queue in tasks/megatron/compat.py knows the results "
+            f"queue factory of {sorted(_RESULTS_QUEUE_FACTORY)} only; add this version's"
+        )
+    setattr(fs_async, factory, _in_process_results_queue)
+    _applied.add("sync_save_queue")
 
 
 def apply_cpu_compat() -> None:

@@ -261,7 +261,9 @@ class MegatronTrainer:
         from megatron.core import dist_checkpointing
 
         from storage.faults import crash_point
+        from tasks.megatron.compat import patch_sync_save_queue
 
+        patch_sync_save_queue()
         out_dir.mkdir(parents=True, exist_ok=True)
         state = self.model.module.sharded_state_dict(prefix="model.")
         state["optimizer"] = self.optimizer.sharded_state_dict(state)

@@ -1,0 +1,69 @@
+"""The full training state is saved without spawning a process, and loads back exactly."""
+
+from __future__ import annotations
+
+import multiprocessing.context
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+
+@pytest.fixture(scope="module")
+def trainer_inputs(tmp_path_factory):
+    from tests.synthetic import write_training_inputs
+
+    hf, _, columns = write_training_inputs(tmp_path_factory.mktemp("save"))
+    return hf, columns
+
+
+def _trainer(hf):
+    from tasks.config import build_config
+    from tasks.megatron.trainer import MegatronTrainer
+
+    cfg = build_config({"iterations": 2, "data": {"prompts_per_iteration": 4}, "rollout": {"group_size": 4}})
+    return MegatronTrainer(cfg, hf)
+
+
+def _state(trainer) -> dict[str, torch.Tensor]:
+    weights = {f"w/{k}": v.detach().clone() for k, v in trainer.model.module.named_parameters()}
+    moments = {
+        f"adam/{i}/{k}": v.clone()
+        for i, state in enumerate(trainer.optimizer.optimizer.state.values())
+        for k, v in state.items()
+        if torch.is_tensor(v)
+    }
+    return {**weights, **moments}
+
+
+def test_a_save_spawns_no_process_and_loads_back_bit_identical(trainer_inputs, tmp_path, monkeypatch):
+    """Megatron's save starts a spawned multiprocessing manager (a fresh interpreter that
+    re-imports the caller's main module: seconds and hundreds of MB) unless the trainer gives it
+    an in-process results queue; any spawn here fails the test."""
+
+    def no_spawn(*args, **kwargs):
+        raise AssertionError("the checkpoint save started a spawned process")
+
+    monkeypatch.setattr(multiprocessing.context.SpawnContext, "Manager", no_spawn)
+    monkeypatch.setattr(multiprocessing.context.SpawnContext, "Process", no_spawn)
+    hf, columns = trainer_inputs
+    trainer = _trainer(hf)
+    trainer.train_iteration(columns, iteration=1)
+    trainer.save_megatron(tmp_path / "state", iteration=1)
+    saved = _state(trainer)
+    assert any(k.startswith("adam/") for k in saved)
+
+    resumed = _trainer(hf)
+    resumed.load_megatron(tmp_path / "state")
+    restored = _state(resumed)
+    assert restored.keys() == saved.keys()
+    for name, value in saved.items():
+        assert torch.equal(restored[name], value), name
+    assert resumed.iteration == 1
+    # and the next step from the loaded state is the step from the kept one
+    trainer.train_iteration(columns, iteration=2)
+    resumed.train_iteration(columns, iteration=2)
+    after, after_resumed = _state(trainer), _state(resumed)
+    for name, value in after.items():
+        assert torch.equal(after_resumed[name], value), name
