@@ -7,7 +7,8 @@ trainer is rebuilt by a checked replay), compared stage by stage.
 Each arm runs `benchmarks/gpu/pipeline.yaml` (bf16, the embedded engine on the GPU, the Megatron
 teacher) on one random-init Qwen3 of `--shape` written once (benchmarks/gpu/pipeline_run.py). For
 every iteration the probe prints digests of what each stage committed: the sampled response ids
-(rollout), the teacher's top-K ids and log-probs (teacher) and the policy weights file (train), so
+and the student's top-K ids (rollout), the teacher's top-K log-probs (teacher) and the policy
+weights file (train), so
 the first stage at which two arms part names where determinism ends. An arm whose replay check
 fails (`tasks.megatron.resume.check_replay`) ends with its error in the RESULT line.
 """
