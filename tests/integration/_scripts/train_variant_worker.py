@@ -2,11 +2,13 @@
 
     python train_variant_worker.py HF_DIR COLUMNS.pkl OUT_DIR 'JSON overrides of the run config'
 
-Writes OUT_DIR/metrics.json (rank 0) and OUT_DIR/hf (the trained weights, when HF_DIR has a tokenizer).
+Writes OUT_DIR/metrics.json (rank 0; with `weights_sha256`, a digest of rank 0's trained weights)
+and OUT_DIR/hf (the trained weights, when HF_DIR has a tokenizer).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import pickle
 import sys
@@ -37,7 +39,18 @@ def main() -> None:
     if (hf_dir / "tokenizer_config.json").is_file():  # the GPU tests' random checkpoints have no tokenizer
         trainer.save_hf(out_dir / "hf", hf_dir)
     if dist.get_rank() == 0:
-        (out_dir / "metrics.json").write_text(json.dumps(metrics))
+        (out_dir / "metrics.json").write_text(json.dumps({**metrics, "weights_sha256": weights_digest(trainer)}))
+
+
+def weights_digest(trainer) -> str:
+    """sha256 of this rank's parameters, by name, over their bytes."""
+    import torch
+
+    h = hashlib.sha256()
+    for name, param in sorted(trainer.model.module.named_parameters()):
+        h.update(name.encode())
+        h.update(param.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes())
+    return h.hexdigest()
 
 
 if __name__ == "__main__":
