@@ -99,12 +99,7 @@ def stage_digests(root: Path, name: str, iterations: int) -> list[dict[str, Any]
 
 def arm_names(arms: list[str]) -> list[tuple[str, str]]:
     """(label, arm) for each requested arm; an arm asked for more than once is numbered."""
-    counts: dict[str, int] = {}
-    labels = []
-    for arm in arms:
-        counts[arm] = counts.get(arm, 0) + 1
-        labels.append((arm, counts[arm]))
-    return [(f"{arm}-{i}" if arms.count(arm) > 1 else arm, arm) for arm, i in labels]
+    return [(f"{arm}-{arms[: i + 1].count(arm)}" if arms.count(arm) > 1 else arm, arm) for i, arm in enumerate(arms)]
 
 
 def run_arm(label: str, arm: str, policy: Path | None, args: argparse.Namespace) -> dict[str, Any]:
