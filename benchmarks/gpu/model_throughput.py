@@ -4,7 +4,9 @@ Training runs the real `tasks.megatron.trainer.MegatronTrainer.train_iteration` 
 compiled top-K loss, Megatron DDP and optimizer step) on synthetic teacher columns: each step is
 `--samples` sequences of `--seq` tokens (prompt 1/8, response 7/8), top-K = `--k`. Variants:
 padded micro-batches, and the same samples packed into one row; each with `train.fused_kernels`
-off and/or on (`--fused false true`; scoring uses the last). MFU counts 6N + 6 L S d_q per
+off and/or on (`--fused false true`; scoring uses the last), and `train.deterministic` off and/or on
+(`--deterministic false true`: torch's deterministic algorithms, the fixed-order attention backward
+among them). MFU counts 6N + 6 L S d_q per
 token against 989 TFLOP/s (N without the input embedding).
 
 Scoring runs `tasks.megatron.scorer.MegatronTeacherScorer.score` (packed rows, log-probs on K+1
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import tempfile
 from pathlib import Path
 
@@ -97,12 +100,13 @@ def bench_train(shape: str, args: argparse.Namespace, workdir: Path) -> None:
         samples=args.samples * steps, seq=args.seq, k=args.k, vocab=hf_config.vocab_size, seed=0
     )
     tokens = args.samples * args.seq  # per optimizer step
-    for fused in args.fused:
+    for fused, deterministic in itertools.product(args.fused, args.deterministic):
         base = {
             "attention": "sdpa",
             "loss_chunk_tokens": 1024,
             "loss_compile": DEVICE == "cuda",
             "fused_kernels": fused,
+            "deterministic": deterministic,
         }
         cfg = run_config(samples=args.samples * steps, micro_batch=args.micro_batch, train=base, steps=steps)
         trainer = MegatronTrainer(cfg, hf_dir, load_weights=False)
@@ -131,6 +135,7 @@ def bench_train(shape: str, args: argparse.Namespace, workdir: Path) -> None:
                     "shape": shape,
                     "variant": name,
                     "fused_kernels": fused,
+                    "deterministic": deterministic,
                     "tokens_per_step": tokens,
                     "steps_per_iteration": steps,
                     "micro_batch": args.micro_batch,
@@ -237,6 +242,13 @@ def main() -> None:
         type=lambda v: v == "true",
         default=[DEVICE == "cuda"],
         help="train.fused_kernels settings to build and time, e.g. --fused false true (GPU only)",
+    )
+    parser.add_argument(
+        "--deterministic",
+        nargs="+",
+        type=lambda v: v == "true",
+        default=[True],
+        help="train.deterministic settings to time, e.g. --deterministic false true",
     )
     parser.add_argument("--skip-train", action="store_true")
     parser.add_argument("--skip-score", action="store_true")
