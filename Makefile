@@ -47,8 +47,10 @@ $(BROWSER_STAMP): $(STAMP)
 	fi
 	touch $(BROWSER_STAMP)
 
+# the suite in TEST_WORKERS processes (pytest-xdist), each test file's tests in one of them, in order
+TEST_WORKERS ?= 2
 test: $(TEST_STAMP) $(BROWSER_STAMP)
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests -q
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests -q -n $(TEST_WORKERS) --dist loadfile
 
 # ruff (lint and format) and mypy (strict on sdpo_core/ and storage/), as configured in pyproject.toml
 lint: $(STAMP)

@@ -336,8 +336,15 @@ def deterministic_kernels(enabled: bool) -> Iterator[None]:
     deterministic algorithms those kernels take their fixed-order paths, and an op that has none
     raises instead of silently varying. Only the training step runs so: sampling and scoring are
     forward passes, deterministic as they are.
+
+    The mode's other half, filling every newly allocated tensor with NaN
+    (`torch.utils.deterministic.fill_uninitialized_memory`), is off inside the block: it only
+    exposes a kernel that reads memory nobody wrote, which no op of the step does (the
+    bit-identical restart tests would catch one), and it cost 15 % of the CPU step (27k fills per
+    iteration of the tiny benchmark model).
     """
     import torch
+    import torch.utils.deterministic
 
     if not enabled:
         yield
@@ -345,11 +352,16 @@ def deterministic_kernels(enabled: bool) -> Iterator[None]:
     if torch.cuda.is_available():
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", _CUBLAS_WORKSPACE)
     before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    # a property of the module's class in torch, which its stubs do not declare
+    fill = torch.utils.deterministic
+    fill_before = fill.fill_uninitialized_memory  # type: ignore[attr-defined]
     torch.use_deterministic_algorithms(True)
+    fill.fill_uninitialized_memory = False  # type: ignore[attr-defined]
     try:
         yield
     finally:
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+        fill.fill_uninitialized_memory = fill_before  # type: ignore[attr-defined]
 
 
 def seed_training_rng(seed: int, iteration: int) -> None:

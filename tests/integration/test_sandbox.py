@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import socket
 import time
 from pathlib import Path
@@ -47,8 +48,33 @@ def one(program: str, limits: SandboxLimits, suite: TestSuite = ONE):
     return run_program(program, suite, limits=limits)[0]
 
 
+class _UidRecorder:
+    """Stands in for `random` inside the sandbox module and keeps the uids its runs were given, so
+    the leftover check sees this process's sandboxes only: `make test` runs test files in parallel
+    workers, and another worker's sandbox (under another random uid) may be alive meanwhile."""
+
+    def __init__(self) -> None:
+        self.uids: set[int] = set()
+
+    def randrange(self, start: int, stop: int) -> int:
+        uid = random.randrange(start, stop)
+        self.uids.add(uid)
+        return uid
+
+
+_OWN = _UidRecorder()
+
+
+@pytest.fixture(autouse=True)
+def _record_sandbox_uids(monkeypatch):
+    import tasks.sandbox.program
+
+    monkeypatch.setattr(tasks.sandbox.program, "random", _OWN)
+
+
 def sandbox_processes() -> list[int]:
-    """Pids of live processes running under a sandbox uid (leftovers of a run)."""
+    """Pids of live processes running under a uid this process's sandbox runs were given (leftovers
+    of a run)."""
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -59,12 +85,13 @@ def sandbox_processes() -> list[int]:
             continue  # the process ended while we looked
         uid = int(next(line for line in status.splitlines() if line.startswith("Uid:")).split()[1])
         state = next(line for line in status.splitlines() if line.startswith("State:")).split()[1]
-        if _UID_RANGE[0] <= uid < _UID_RANGE[1] and state != "Z":
+        if uid in _OWN.uids and _UID_RANGE[0] <= uid < _UID_RANGE[1] and state != "Z":
             found.append(int(entry.name))
     return found
 
 
 def assert_no_leftovers(timeout: float = 3.0) -> None:
+    assert _OWN.uids or not NAMESPACES, "no sandbox uid recorded: the check below would see nothing"
     deadline = time.monotonic() + timeout
     while sandbox_processes() and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -15,7 +15,14 @@ import pytest
 
 from sdpo_core.verifiers.code import TestSuite, suite_to_label
 from tasks.sandbox.program import SandboxLimits, run_program, verify_code
-from tests.integration.test_sandbox import ALL, FAST, LEVELS, NAMESPACE_LEVELS, one
+from tests.integration.test_sandbox import (  # the uid recorder: leftover checks see this process's sandboxes
+    ALL,
+    FAST,
+    LEVELS,
+    NAMESPACE_LEVELS,
+    _record_sandbox_uids,  # noqa: F401 -- an autouse fixture, imported to apply here
+    one,
+)
 
 # -- reward hacks: each must score 0 on a test suite it does not solve -----------------------------
 # HumanEval-style: `check(candidate)` in the setup, the entry point called by the test
