@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -169,15 +170,16 @@ def test_a_stage_on_a_prefect_work_pool_runs_on_a_real_process_worker(tmp_path, 
         name=pool, work_pool_name=pool, print_next_steps=False
     )
     env = dict(os.environ, PREFECT_API_URL=prefect_server, PREFECT_WORKER_QUERY_SECONDS="1", OMP_NUM_THREADS="1")
-    worker = subprocess.Popen(
-        [sys.executable, "-m", "prefect", "worker", "start", "--pool", pool, "--limit", "1"],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
+    worker_log = tmp_path / "worker.log"
+    with worker_log.open("w") as sink:
+        worker = subprocess.Popen(
+            [sys.executable, "-m", "prefect", "worker", "start", "--pool", pool, "--limit", "1"],
+            cwd=REPO,
+            env={**env, "PYTHONUNBUFFERED": "1"},
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     try:
         single = fingerprint(_run(tmp_path, "single", ONE))
         pooled = fingerprint(
@@ -188,9 +190,15 @@ def test_a_stage_on_a_prefect_work_pool_runs_on_a_real_process_worker(tmp_path, 
                 launch={"train": {"launcher": "work-pool", "deployment": f"sdpo-stage/{pool}", "timeout_s": 600}},
             )
         )
+        # the worker reports the stage's flow run once that run's process has exited, which can be
+        # after the pipeline has read the committed stage back
+        deadline = time.monotonic() + 60
+        while "placed/iter-0001/train" not in worker_log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.5)
     finally:
         os.killpg(worker.pid, 9)
-        log = worker.communicate(timeout=30)[0]
+        worker.wait(timeout=30)
+    log = worker_log.read_text()
     assert differences(single, pooled) == [], log[-3000:]
     assert "placed/iter-0001/train" in log, log[-3000:]  # the worker ran the stage's flow run
 
