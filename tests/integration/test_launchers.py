@@ -170,12 +170,14 @@ def test_a_stage_on_a_prefect_work_pool_runs_on_a_real_process_worker(tmp_path, 
         name=pool, work_pool_name=pool, print_next_steps=False
     )
     env = dict(os.environ, PREFECT_API_URL=prefect_server, PREFECT_WORKER_QUERY_SECONDS="1", OMP_NUM_THREADS="1")
+    # The flow run's INFO lines name it: a WARNING level left in os.environ by a CLI test that ran
+    # earlier in this process would hide them from the worker's log.
     worker_log = tmp_path / "worker.log"
     with worker_log.open("w") as sink:
         worker = subprocess.Popen(
             [sys.executable, "-m", "prefect", "worker", "start", "--pool", pool, "--limit", "1"],
             cwd=REPO,
-            env={**env, "PYTHONUNBUFFERED": "1"},
+            env={**env, "PYTHONUNBUFFERED": "1", "PREFECT_LOGGING_LEVEL": "INFO"},
             stdout=sink,
             stderr=subprocess.STDOUT,
             start_new_session=True,
