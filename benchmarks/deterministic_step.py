@@ -7,7 +7,7 @@ torch's whole deterministic mode (deterministic algorithms plus
 without the fill). The work is `make bench-trl`'s long size on its tiny Qwen3 (512 answers of
 `--response` tokens, top-16 + tail, one optimizer step, float32, packed 4,096-token rows).
 
-    OMP_NUM_THREADS=2 .venv/bin/python -m benchmarks.deterministic_step [--repeats 5] [--response 256]
+    OMP_NUM_THREADS=2 .venv/bin/python -m benchmarks.deterministic_step [--repeats 5] [--response 256] [--profile]
 """
 
 from __future__ import annotations
@@ -53,35 +53,34 @@ def step_config(*, deterministic: bool) -> Any:
 
 
 def main() -> None:
-    from tasks.megatron.trainer import MegatronTrainer
+    from tasks.megatron.trainer import MegatronTrainer, deterministic_kernels
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--response", type=int, default=256, help="response tokens per answer")
     parser.add_argument("--shape", default="tiny")
+    parser.add_argument("--vocab", type=int, default=1024)
+    parser.add_argument("--profile", action="store_true", help="also trace one step of the whole mode")
     args = parser.parse_args()
     hf_config = qwen3_config(args.shape)
-    hf_config.vocab_size = 1024 if args.shape == "tiny" else hf_config.vocab_size
+    hf_config.vocab_size = args.vocab
     hf_dir = Path(tempfile.mkdtemp(prefix="deterministic-step-"))
     hf_config.save_pretrained(hf_dir)
     # synthetic_columns gives a prompt of seq // 8 tokens: seq = response * 8 / 7
-    columns = synthetic_columns(samples=512, seq=args.response * 8 // 7, k=16, vocab=hf_config.vocab_size, seed=0)
-    trainer = MegatronTrainer(step_config(deterministic=True), hf_dir, load_weights=False)
+    columns = synthetic_columns(samples=512, seq=args.response * 8 // 7, k=16, vocab=args.vocab, seed=0)
+    configs = {flag: step_config(deterministic=flag) for flag in (False, True)}
+    trainer = MegatronTrainer(configs[True], hf_dir, load_weights=False)
     trainer.train_iteration(columns, iteration=1)  # warm-up
 
     def whole_mode(iteration: int) -> None:
-        before = torch.utils.deterministic.fill_uninitialized_memory
-        torch.use_deterministic_algorithms(True)
-        torch.utils.deterministic.fill_uninitialized_memory = True
-        try:
+        trainer.cfg = configs[True]
+        with deterministic_kernels(True):
+            torch.utils.deterministic.fill_uninitialized_memory = True  # torch's default; restored on exit
             trainer._train_iteration(columns, iteration=iteration)
-        finally:
-            torch.use_deterministic_algorithms(False)
-            torch.utils.deterministic.fill_uninitialized_memory = before
 
     def setting(deterministic: bool) -> Any:
         def run(iteration: int) -> None:
-            trainer.cfg = step_config(deterministic=deterministic)
+            trainer.cfg = configs[deterministic]
             trainer.train_iteration(columns, iteration=iteration)
 
         return run
@@ -105,6 +104,18 @@ def main() -> None:
     for name, values in seconds.items():
         runs = " ".join(f"{v:.2f}" for v in values)
         print(f"| {name} | {statistics.median(values):.2f} | {runs} | {statistics.median(values) / base:.2f} |")
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU]) as trace:
+            whole_mode(iteration)
+        events = trace.key_averages()
+        total = sum(event.self_cpu_time_total for event in events)
+        (fills,) = [event for event in events if event.key == "aten::fill_"]
+        print(
+            f"whole mode, one step traced: {fills.count} aten::fill_ calls, "
+            f"{fills.self_cpu_time_total / total:.1%} of the operators' self CPU time"
+        )
 
 
 if __name__ == "__main__":

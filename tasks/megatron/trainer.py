@@ -340,8 +340,9 @@ def deterministic_kernels(enabled: bool) -> Iterator[None]:
     The mode's other half, filling every newly allocated tensor with NaN
     (`torch.utils.deterministic.fill_uninitialized_memory`), is off inside the block: it only
     exposes a kernel that reads memory nobody wrote, which no op of the step does (the
-    bit-identical restart tests would catch one), and it cost 15 % of the CPU step (27k fills per
-    iteration of the tiny benchmark model).
+    bit-identical restart tests would catch one), and it writes every new tensor once more (27,573
+    fills in a step of the tiny benchmark model, 5-6 % of its operators' CPU time:
+    benchmarks/deterministic_step.py).
     """
     import torch
     import torch.utils.deterministic
