@@ -4,6 +4,11 @@ For the offline demo and tests (tiny models on CPU), where a server would be ove
 batch are left-padded, so every row's next token is predicted at the last column; explicit
 position ids keep each row's positions starting at 0 regardless of its padding.
 
+Decoding writes into preallocated buffers: the KV cache of a batch holds its final length from the
+prompt's forward on (`_PreallocatedLayer`; a decode step writes one slot and attends a view of the
+filled prefix, where a growing cache would copy itself every step; `tasks.engines.decoding`), and
+so does the attention mask.
+
 Sampling is reproducible per sample: the uniform draws of sample j of prompt i come from a
 generator seeded with (seed, i, j), so a sample does not depend on which other prompts share its
 batch or on `max_batch_size` (up to float round-off in the batched matmuls).
@@ -64,7 +69,11 @@ class EmbeddedEngine(RolloutEngine):
         path = Path(checkpoint_dir)
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"{checkpoint_dir!r} is not an HF checkpoint folder (no config.json)")
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=self._dtype)
+        from tasks.engines.decoding import register_decode_attention
+
+        # on the CPU a decode step attends with grouped GEMMs (tasks/engines/decoding.py)
+        attention = {"attn_implementation": register_decode_attention()} if self._device.type == "cpu" else {}
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=self._dtype, **attention)
         self._model = model.to(self._device).eval()
         self._weight_version = str(path.resolve())
         logger.info("embedded engine loaded %s", self._weight_version)
@@ -121,6 +130,8 @@ class EmbeddedEngine(RolloutEngine):
         stop_token_ids: list[int],
         top_k: int,
     ) -> list[Generation]:
+        from tasks.engines.decoding import preallocated_cache
+
         model = self.model
         device = self._device
         batch = len(prompts)
@@ -135,16 +146,19 @@ class EmbeddedEngine(RolloutEngine):
         stop_ids = torch.tensor(stop_token_ids, dtype=torch.long, device=device)
         u = None if uniforms is None else torch.from_numpy(uniforms).to(device)  # [B, max_new_tokens]
 
+        # the prompt's columns, then one per decode step: written once, passed as a growing view
+        full_mask = torch.cat([attention_mask, attention_mask.new_ones(batch, max_new_tokens)], dim=1)
+        cache = preallocated_cache(model.config, capacity=width + max_new_tokens)
         # only the last position's logits: the whole prompt's would be [B, width, V] (gigabytes at a
         # 50k vocabulary and a few hundred prompt tokens) for one row of them to be read
         out = model(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
+            cache=cache,
             use_cache=True,
             logits_to_keep=1,
         )
-        cache = out.cache
         logits = out.logits[:, -1, :].float()  # [B, V]
         next_position = lengths.clone()  # [B]
         finished = torch.zeros(batch, dtype=torch.bool, device=device)
@@ -167,16 +181,14 @@ class EmbeddedEngine(RolloutEngine):
             finished = finished | torch.isin(token, stop_ids)
             if step == max_new_tokens - 1 or (step % sync_every == sync_every - 1 and bool(finished.all())):
                 break
-            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(batch, 1)], dim=1)
             out = model(
                 input_ids=token[:, None],
-                attention_mask=attention_mask,
+                attention_mask=full_mask[:, : width + step + 1],
                 position_ids=next_position[:, None],
                 cache=cache,
                 use_cache=True,
                 logits_to_keep=1,
             )
-            cache = out.cache
             logits = out.logits[:, -1, :].float()
             next_position = next_position + 1
 

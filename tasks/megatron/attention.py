@@ -17,8 +17,8 @@ Inputs and output follow `DotProductAttention`:
   [t, h, d] for all the samples of one micro-batch laid end to end, with their boundaries in
   `cu_seqlens_q`. Attention must not cross those boundaries: on a GPU one call of torch's
   variable-length flash attention (`torch.nn.attention.varlen.varlen_attn`, torch >= 2.10) covers
-  the row, causal within each sample; on the CPU each sample is attended on its own with SDPA. No
-  [t, t] mask is built. Megatron's rotary embedding restarts positions at every boundary in this
+  the row, causal within each sample; on the CPU one SDPA call attends the row's samples as a batch,
+  padded to the longest (`_padded_batch`). No [t, t] mask is built. Megatron's rotary embedding restarts positions at every boundary in this
   format, so a packed forward equals the per-sample forwards. Keep `cu_seqlens_q` on the CPU: the
   boundaries are read as Python ints.
 """
@@ -143,13 +143,33 @@ class SDPACoreAttention(MegatronModule):
             raise ValueError(f"cu_seqlens {bounds} do not cover the {t} packed tokens (or q and kv differ)")
         if query.is_cuda:
             return self._varlen(query, key, value, bounds, causal=causal)
-        q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (query, key, value))  # [1, h|g, t, d]
-        parts = [
-            self._sdpa(q[:, :, a:z], k[:, :, a:z], v[:, :, a:z], mask=None, causal=causal)  # [1, h, n, d]
-            for a, z in zip(bounds[:-1], bounds[1:], strict=True)
-            if z > a
-        ]
-        return torch.cat(parts, dim=2)[0].transpose(0, 1).reshape(t, h * d)
+        return self._padded_batch(query, key, value, bounds, causal=causal)
+
+    def _padded_batch(self, query: Tensor, key: Tensor, value: Tensor, bounds: list[int], *, causal: bool) -> Tensor:
+        """The packed row [t, h|g, d] as one SDPA call over its samples padded to the longest: [t, h*d].
+
+        Sample b's tokens go to row b, left-aligned; a padding slot reads an all-zero extra token.
+        Causal attention keeps every real query on its own sample's real keys (the padding lies
+        after them), the padded queries' outputs are dropped, so their gradient is zero. One call
+        instead of a loop of per-sample calls, whose slices each cost a full-row gradient buffer in
+        the backward pass (on a CPU step of 512 answers of 256 tokens the attention's operator time
+        fell from 1.7 to 1.2 s; the step's wall time did not measurably change, docs/benchmarks.md).
+        """
+        if not causal:
+            raise NotImplementedError("packed rows are attended causally only")
+        t, h, d = query.shape
+        starts = torch.tensor(bounds[:-1])
+        lengths = torch.tensor(bounds[1:]) - starts  # [B]
+        slots = torch.arange(int(lengths.max()))  # [L]
+        real = slots[None, :] < lengths[:, None]  # [B, L]
+        index = torch.where(real, starts[:, None] + slots[None, :], t)  # [B, L]; t = the zero token
+
+        def batch(x: Tensor) -> Tensor:  # [t, h|g, d] -> [B, h|g, L, d]
+            padded = torch.cat([x, x.new_zeros(1, *x.shape[1:])])
+            return padded[index].transpose(1, 2)
+
+        out = self._sdpa(batch(query), batch(key), batch(value), mask=None, causal=True)  # [B, h, L, d]
+        return out.transpose(1, 2)[real].reshape(t, h * d)  # samples in order: the packed order
 
     def _varlen(self, query: Tensor, key: Tensor, value: Tensor, bounds: list[int], *, causal: bool) -> Tensor:
         """One variable-length flash-attention call over the packed row [t, h|g, d] -> [t, h*d]."""

@@ -243,3 +243,23 @@ def test_the_inverse_cdf_gives_each_token_exactly_its_share_of_evenly_spread_uni
         probs = kept / kept.sum()
     assert torch.all((counts - draws * probs).abs() <= 1), (counts, draws * probs)
     assert counts[3] == 0
+
+
+def test_cpu_decode_attention_equals_sdpa_with_grouped_heads_and_padding():
+    """The decode step's grouped GEMMs (tasks/engines/decoding.py) against torch SDPA on the
+    same strided cache views, with 3 query heads per KV head and left padding."""
+    from torch.nn import functional as F
+
+    from tasks.engines.decoding import _attention
+
+    gen = torch.Generator().manual_seed(3)
+    b, h, g, s, d, capacity = 3, 6, 2, 9, 8, 16
+    buffer = torch.randn(2, b, g, capacity, d, generator=gen, dtype=torch.float64)
+    key, value = buffer[0][:, :, :s], buffer[1][:, :, :s]  # views of a preallocated cache
+    query = torch.randn(b, h, 1, d, generator=gen, dtype=torch.float64)
+    mask = torch.ones(b, 1, 1, s, dtype=torch.bool)
+    mask[0, ..., :4] = False  # row 0 is left-padded by 4
+    module = torch.nn.Module().eval()
+    out, _ = _attention(module, query, key, value, mask, scaling=0.3)
+    want = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=0.3, enable_gqa=True)
+    torch.testing.assert_close(out, want.transpose(1, 2), rtol=1e-12, atol=1e-12)

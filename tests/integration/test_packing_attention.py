@@ -237,3 +237,35 @@ def test_logged_loss_metrics_do_not_depend_on_the_micro_batch_size(trainer_setup
     for name in logged:
         assert one[name] == pytest.approx(whole[name], rel=1e-5, abs=1e-7), name
     assert not any(name.startswith("count/") for name in whole)
+
+
+def test_packed_cpu_attention_equals_per_sample_attention_with_gradients(models):
+    """The CPU path attends a packed row's samples as one padded batch (`_padded_batch`); the oracle
+    is one causal SDPA call per sample. Lengths differ widely, one segment is empty."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from torch.nn import functional as F
+
+    _, sdpa = models
+    core = sdpa.decoder.layers[0].self_attention.core_attention
+    config = sdpa.config
+    h, g, d = config.num_attention_heads, config.num_query_groups, config.kv_channels
+    bounds = [0, 1, 7, 7, 30, 32]
+    t = bounds[-1]
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(t, n, d, generator=gen, dtype=torch.float64, requires_grad=True) for n in (h, g, g))
+    cu = torch.tensor(bounds, dtype=torch.int32)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=23, max_seqlen_kv=23)
+    out = core(q, k, v, None, packed_seq_params=params)  # [t, h*d]
+    upstream = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+    grads = torch.autograd.grad(out, (q, k, v), upstream)
+
+    parts = []
+    for a, z in zip(bounds[:-1], bounds[1:], strict=True):
+        if z > a:
+            qs, ks, vs = (x[a:z].transpose(0, 1) for x in (q, k, v))  # [h|g, n, d]
+            alone = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=core.scale, enable_gqa=True)
+            parts.append(alone.transpose(0, 1).reshape(z - a, h * d))
+    expected = torch.cat(parts)
+    torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-10)
+    for got, want in zip(grads, torch.autograd.grad(expected, (q, k, v), upstream), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)

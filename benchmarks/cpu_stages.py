@@ -1,0 +1,95 @@
+"""The two CPU compute stages of `make bench-trl`'s long size, each alone: sampling and the training step.
+
+`rollout` times the embedded engine drawing 8 answers to each of 64 prompts (16-24 random tokens) of
+up to `--new-tokens` tokens with top-16 log-probs, on benchmarks/gpu/pipeline_run.py's random-init
+tiny Qwen3 (the untrained model runs every answer to about the limit). `train` times one optimizer
+step of `MegatronTrainer` on 512 synthetic answers of `--new-tokens` tokens (top-16 + tail, packed
+4,096-token rows, float32, `train.deterministic` as by default). Medians of `--repeats` after one
+warm-up; `--profile` adds the operators' self CPU time of one more call.
+
+    OMP_NUM_THREADS=2 .venv/bin/python -m benchmarks.cpu_stages rollout|train [--repeats 5] [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from benchmarks.deterministic_step import step_config
+from benchmarks.gpu.common import qwen3_config
+from benchmarks.gpu.model_throughput import synthetic_columns
+
+VOCAB = 1024
+
+
+def model_dir() -> Path:
+    from transformers import AutoModelForCausalLM
+
+    config = qwen3_config("tiny")
+    config.vocab_size = VOCAB
+    out = Path(tempfile.mkdtemp(prefix="cpu-stages-"))
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(out)
+    return out
+
+
+def rollout(new_tokens: int) -> Callable[[], None]:
+    from tasks.engines.base import SamplingParams
+    from tasks.engines.embedded import EmbeddedEngine
+
+    engine = EmbeddedEngine(str(model_dir()), max_batch_size=512)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, VOCAB, size=int(rng.integers(16, 25))).tolist() for _ in range(64)]
+    params = SamplingParams(
+        n=8, temperature=1.0, top_p=1.0, max_new_tokens=new_tokens, stop_token_ids=[1], top_k_logprobs=16, seed=0
+    )
+    return lambda: engine._sample(prompts, params, progress=False)
+
+
+def train(new_tokens: int) -> Callable[[], None]:
+    from tasks.megatron.trainer import MegatronTrainer
+
+    hf_config = qwen3_config("tiny")
+    hf_config.vocab_size = VOCAB
+    hf_dir = Path(tempfile.mkdtemp(prefix="cpu-stages-"))
+    hf_config.save_pretrained(hf_dir)
+    # synthetic_columns gives a prompt of seq // 8 tokens: seq = response * 8 / 7
+    columns = synthetic_columns(samples=512, seq=new_tokens * 8 // 7, k=16, vocab=VOCAB, seed=0)
+    trainer = MegatronTrainer(step_config(deterministic=True), hf_dir, load_weights=False)
+    iteration = iter(range(1, 10_000))
+    return lambda: trainer.train_iteration(columns, iteration=next(iteration))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("stage", choices=["rollout", "train"])
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--profile", action="store_true")
+    args = parser.parse_args()
+    call = {"rollout": rollout, "train": train}[args.stage](args.new_tokens)
+    call()  # warm-up
+    seconds = []
+    for _ in range(args.repeats):
+        started = time.perf_counter()
+        call()
+        seconds.append(time.perf_counter() - started)
+    runs = " ".join(f"{s:.2f}" for s in seconds)
+    print(f"{args.stage}: median {statistics.median(seconds):.2f} s ({runs}), {torch.get_num_threads()} threads")
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as trace:
+            call()
+        print(trace.key_averages(group_by_input_shape=True).table(sort_by="self_cpu_time_total", row_limit=15))
+
+
+if __name__ == "__main__":
+    main()

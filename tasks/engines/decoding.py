@@ -1,0 +1,123 @@
+"""A decode step of the embedded engine without copies: a preallocated KV cache, and on the CPU an
+attention that reads it as it lies.
+
+`preallocated_cache` gives every decoder layer buffers of the batch's final length
+(`PreallocatedLayer`): a step writes its position and attends a view of the filled prefix, where
+transformers' growing cache concatenates (copies) itself every step.
+
+CPU attention: SDPA for the prompt, grouped GEMMs for a decode step.
+
+A decode step has one query per row against the row's cached keys. Through HF's SDPA path that is
+one fused-kernel call per layer on [B, h, 1, d] queries with an explicit padding mask, and, with
+fewer KV heads than query heads and a mask, K and V repeated to every query head first
+(`repeat_kv`, a copy of the cache per layer per step). Here the h query heads of a step are viewed
+as [B, g, h / g, d] next to their group's keys [B, g, s, d]: scores, mask, softmax and the value
+sum are two batched GEMMs over the cache as it lies (the embedded engine's preallocated cache
+hands out strided views of its buffers, which BLAS reads without a copy). The prompt's forward
+(several queries per row) stays on HF's SDPA.
+
+Registered with transformers under `ATTENTION` (an attention function and its mask function, the
+SDPA boolean mask: True = attend); the engine loads CPU models with
+`attn_implementation=ATTENTION`.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
+
+__all__ = ["ATTENTION", "PreallocatedLayer", "preallocated_cache", "register_decode_attention"]
+
+ATTENTION = "sdpo_cpu_decode"
+
+
+class PreallocatedLayer(DynamicLayer):
+    """A layer's KV cache in buffers of a fixed capacity [B, g, capacity, d]: `update` writes the new
+    positions after the filled ones and returns views of the filled prefix (no copy of the cache)."""
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__()
+        self.capacity = capacity
+        self.filled = 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        b, g, _, d = key_states.shape
+        self.device = key_states.device
+        self.key_buffer = key_states.new_empty(b, g, self.capacity, d)
+        self.value_buffer = value_states.new_empty(b, value_states.shape[1], self.capacity, value_states.shape[-1])
+        self.is_initialized = True
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        end = self.filled + key_states.shape[-2]
+        if end > self.capacity:
+            raise RuntimeError(f"KV cache of {self.capacity} positions cannot take position {end}")
+        self.key_buffer[:, :, self.filled : end] = key_states
+        self.value_buffer[:, :, self.filled : end] = value_states
+        self.filled = end
+        self.keys = self.key_buffer[:, :, :end]
+        self.values = self.value_buffer[:, :, :end]
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.filled
+
+
+def preallocated_cache(config: Any, *, capacity: int) -> Cache:
+    """One `PreallocatedLayer` per decoder layer; every layer must attend to the whole sequence."""
+    text = config.get_text_config()
+    # HF configs list `layer_types` for models whose layers differ (sliding windows, linear attention)
+    kinds = set(getattr(text, "layer_types", None) or ["full_attention"])
+    if kinds != {"full_attention"}:
+        raise ValueError(f"the embedded engine decodes full-attention layers only; this model's layer_types: {kinds}")
+    return Cache(layers=[PreallocatedLayer(capacity) for _ in range(text.num_hidden_layers)])
+
+
+def _attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """query [B, h, q, d], key/value [B, g, s, d], mask [B, 1, q, s] (True = attend) or None ->
+    ([B, q, h, d], None), as HF's attention functions return."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    b, h, q, d = query.shape
+    if q != 1 or module.training:
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    g, s = key.shape[1], key.shape[2]
+    if h % g:
+        raise ValueError(f"{h} query heads cannot share {g} KV heads")
+    scale = scaling if scaling is not None else d**-0.5
+    # head i attends with KV head i // (h / g), as HF's repeat_kv lays them out
+    grouped = query.reshape(b, g, h // g, d)  # [B, g, r, d]
+    scores = torch.matmul(grouped, key.transpose(-1, -2)) * scale  # [B, g, r, s]
+    if attention_mask is not None:
+        scores = scores.masked_fill(~attention_mask.reshape(b, 1, 1, s), float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(value.dtype)
+    out = torch.matmul(probs, value)  # [B, g, r, d]
+    return out.reshape(b, 1, h, d), None
+
+
+@functools.cache
+def register_decode_attention() -> str:
+    """Register the attention and its mask function with transformers (once); returns the name."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(ATTENTION, _attention)
+    AttentionMaskInterface.register(ATTENTION, sdpa_mask)
+    return ATTENTION
