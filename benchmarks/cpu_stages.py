@@ -2,7 +2,7 @@
 
 `rollout` times the embedded engine drawing 8 answers to each of 64 prompts (16-24 random tokens) of
 up to `--new-tokens` tokens with top-16 log-probs, on benchmarks/gpu/pipeline_run.py's random-init
-tiny Qwen3 (the untrained model runs every answer to about the limit). `train` times one optimizer
+tiny Qwen3 (`write_policy`) (the untrained model runs every answer to about the limit). `train` times one optimizer
 step of `MegatronTrainer` on 512 synthetic answers of `--new-tokens` tokens (top-16 + tail, packed
 4,096-token rows, float32, `train.deterministic` as by default). Medians of `--repeats` after one
 warm-up; `--profile` adds the operators' self CPU time of one more call.
@@ -22,29 +22,18 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks.deterministic_step import step_config
-from benchmarks.gpu.common import qwen3_config
-from benchmarks.gpu.model_throughput import synthetic_columns
+from benchmarks.deterministic_step import step_config, step_inputs
+from benchmarks.gpu.pipeline_run import write_policy
 
 VOCAB = 1024
-
-
-def model_dir() -> Path:
-    from transformers import AutoModelForCausalLM
-
-    config = qwen3_config("tiny")
-    config.vocab_size = VOCAB
-    out = Path(tempfile.mkdtemp(prefix="cpu-stages-"))
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(out)
-    return out
 
 
 def rollout(new_tokens: int) -> Callable[[], None]:
     from tasks.engines.base import SamplingParams
     from tasks.engines.embedded import EmbeddedEngine
 
-    engine = EmbeddedEngine(str(model_dir()), max_batch_size=512)
+    model_dir = write_policy("tiny", Path(tempfile.mkdtemp(prefix="cpu-stages-")), vocab=VOCAB)
+    engine = EmbeddedEngine(str(model_dir), max_batch_size=512)  # float32, as rollout.dtype in bench-trl
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, VOCAB, size=int(rng.integers(16, 25))).tolist() for _ in range(64)]
     params = SamplingParams(
@@ -56,12 +45,7 @@ def rollout(new_tokens: int) -> Callable[[], None]:
 def train(new_tokens: int) -> Callable[[], None]:
     from tasks.megatron.trainer import MegatronTrainer
 
-    hf_config = qwen3_config("tiny")
-    hf_config.vocab_size = VOCAB
-    hf_dir = Path(tempfile.mkdtemp(prefix="cpu-stages-"))
-    hf_config.save_pretrained(hf_dir)
-    # synthetic_columns gives a prompt of seq // 8 tokens: seq = response * 8 / 7
-    columns = synthetic_columns(samples=512, seq=new_tokens * 8 // 7, k=16, vocab=VOCAB, seed=0)
+    hf_dir, columns = step_inputs(shape="tiny", vocab=VOCAB, response=new_tokens)
     trainer = MegatronTrainer(step_config(deterministic=True), hf_dir, load_weights=False)
     iteration = iter(range(1, 10_000))
     return lambda: trainer.train_iteration(columns, iteration=next(iteration))

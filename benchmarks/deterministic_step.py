@@ -52,6 +52,18 @@ def step_config(*, deterministic: bool) -> Any:
     )
 
 
+def step_inputs(*, shape: str, vocab: int, response: int) -> tuple[Path, dict[str, Any]]:
+    """A config-only HF folder of the `shape` Qwen3 (the trainer initialises it at random) and the
+    teacher columns of 512 synthetic answers of `response` tokens, top-16."""
+    hf_config = qwen3_config(shape)
+    hf_config.vocab_size = vocab
+    hf_dir = Path(tempfile.mkdtemp(prefix="training-step-"))
+    hf_config.save_pretrained(hf_dir)
+    # synthetic_columns gives a prompt of seq // 8 tokens: seq = response * 8 / 7
+    columns = synthetic_columns(samples=512, seq=response * 8 // 7, k=16, vocab=vocab, seed=0)
+    return hf_dir, columns
+
+
 def main() -> None:
     from tasks.megatron.trainer import MegatronTrainer, deterministic_kernels
 
@@ -62,12 +74,7 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=1024)
     parser.add_argument("--profile", action="store_true", help="also trace one step of the whole mode")
     args = parser.parse_args()
-    hf_config = qwen3_config(args.shape)
-    hf_config.vocab_size = args.vocab
-    hf_dir = Path(tempfile.mkdtemp(prefix="deterministic-step-"))
-    hf_config.save_pretrained(hf_dir)
-    # synthetic_columns gives a prompt of seq // 8 tokens: seq = response * 8 / 7
-    columns = synthetic_columns(samples=512, seq=args.response * 8 // 7, k=16, vocab=args.vocab, seed=0)
+    hf_dir, columns = step_inputs(shape=args.shape, vocab=args.vocab, response=args.response)
     configs = {flag: step_config(deterministic=flag) for flag in (False, True)}
     trainer = MegatronTrainer(configs[True], hf_dir, load_weights=False)
     trainer.train_iteration(columns, iteration=1)  # warm-up

@@ -5,7 +5,7 @@ batch are left-padded, so every row's next token is predicted at the last column
 position ids keep each row's positions starting at 0 regardless of its padding.
 
 Decoding writes into preallocated buffers: the KV cache of a batch holds its final length from the
-prompt's forward on (`_PreallocatedLayer`; a decode step writes one slot and attends a view of the
+prompt's forward on (`PreallocatedLayer`; a decode step writes one slot and attends a view of the
 filled prefix, where a growing cache would copy itself every step; `tasks.engines.decoding`), and
 so does the attention mask.
 

@@ -18,8 +18,9 @@ Inputs and output follow `DotProductAttention`:
   `cu_seqlens_q`. Attention must not cross those boundaries: on a GPU one call of torch's
   variable-length flash attention (`torch.nn.attention.varlen.varlen_attn`, torch >= 2.10) covers
   the row, causal within each sample; on the CPU one SDPA call attends the row's samples as a batch,
-  padded to the longest (`_padded_batch`). No [t, t] mask is built. Megatron's rotary embedding restarts positions at every boundary in this
-  format, so a packed forward equals the per-sample forwards. Keep `cu_seqlens_q` on the CPU: the
+  padded to the longest (`_padded_batch`). No [t, t] mask is built. Megatron's rotary embedding
+  restarts positions at every boundary in this format, so a packed forward equals the per-sample
+  forwards. Keep `cu_seqlens_q` on the CPU: the
   boundaries are read as Python ints.
 """
 
@@ -141,11 +142,13 @@ class SDPACoreAttention(MegatronModule):
         bounds = params.cu_seqlens_q.tolist()
         if bounds[0] != 0 or bounds[-1] != t or params.cu_seqlens_kv.tolist() != bounds:
             raise ValueError(f"cu_seqlens {bounds} do not cover the {t} packed tokens (or q and kv differ)")
+        if not causal:
+            raise NotImplementedError("packed rows are attended causally only")
         if query.is_cuda:
-            return self._varlen(query, key, value, bounds, causal=causal)
-        return self._padded_batch(query, key, value, bounds, causal=causal)
+            return self._varlen(query, key, value, bounds)
+        return self._padded_batch(query, key, value, bounds)
 
-    def _padded_batch(self, query: Tensor, key: Tensor, value: Tensor, bounds: list[int], *, causal: bool) -> Tensor:
+    def _padded_batch(self, query: Tensor, key: Tensor, value: Tensor, bounds: list[int]) -> Tensor:
         """The packed row [t, h|g, d] as one SDPA call over its samples padded to the longest: [t, h*d].
 
         Sample b's tokens go to row b, left-aligned; a padding slot reads an all-zero extra token.
@@ -155,8 +158,6 @@ class SDPACoreAttention(MegatronModule):
         the backward pass (on a CPU step of 512 answers of 256 tokens the attention's operator time
         fell from 1.7 to 1.2 s; the step's wall time did not measurably change, docs/benchmarks.md).
         """
-        if not causal:
-            raise NotImplementedError("packed rows are attended causally only")
         t, h, d = query.shape
         starts = torch.tensor(bounds[:-1])
         lengths = torch.tensor(bounds[1:]) - starts  # [B]
@@ -171,12 +172,10 @@ class SDPACoreAttention(MegatronModule):
         out = self._sdpa(batch(query), batch(key), batch(value), mask=None, causal=True)  # [B, h, L, d]
         return out.transpose(1, 2)[real].reshape(t, h * d)  # samples in order: the packed order
 
-    def _varlen(self, query: Tensor, key: Tensor, value: Tensor, bounds: list[int], *, causal: bool) -> Tensor:
-        """One variable-length flash-attention call over the packed row [t, h|g, d] -> [t, h*d]."""
+    def _varlen(self, query: Tensor, key: Tensor, value: Tensor, bounds: list[int]) -> Tensor:
+        """One causal variable-length flash-attention call over the packed row [t, h|g, d] -> [t, h*d]."""
         from torch.nn.attention.varlen import varlen_attn
 
-        if not causal:
-            raise NotImplementedError("packed rows are attended causally only")
         if self.training and self.dropout > 0:
             raise NotImplementedError("attention dropout is not supported on packed rows")
         t, h, d = query.shape
