@@ -1,13 +1,16 @@
-"""The two CPU compute stages of `make bench-trl`'s long size, each alone: sampling and the training step.
+"""The three CPU compute stages of `make bench-trl`'s long size, each alone: sampling, teacher scoring, training.
 
 `rollout` times the embedded engine drawing 8 answers to each of 64 prompts (16-24 random tokens) of
 up to `--new-tokens` tokens with top-16 log-probs, on benchmarks/gpu/pipeline_run.py's random-init
-tiny Qwen3 (`write_policy`) (the untrained model runs every answer to about the limit). `train` times one optimizer
+tiny Qwen3 (`write_policy`) (the untrained model runs every answer to about the limit). `teacher` times
+the Megatron teacher scorer (`MegatronTeacherScorer`, packed 16,384-token rows) on 512 answers of 3/4 to all
+of `--new-tokens` tokens behind 20-47-token teacher prompts; `teacher-hf` the same work through the
+default in-process HF scorer (`tasks.engines.scorer.score_teacher`). `train` times one optimizer
 step of `MegatronTrainer` on 512 synthetic answers of `--new-tokens` tokens (top-16 + tail, packed
 4,096-token rows, float32, `train.deterministic` as by default). Medians of `--repeats` after one
 warm-up; `--profile` adds the operators' self CPU time of one more call.
 
-    OMP_NUM_THREADS=2 .venv/bin/python -m benchmarks.cpu_stages rollout|train [--repeats 5] [--profile]
+    OMP_NUM_THREADS=2 .venv/bin/python -m benchmarks.cpu_stages rollout|teacher|teacher-hf|train [--repeats 5] [--profile]
 """
 
 from __future__ import annotations
@@ -51,14 +54,46 @@ def train(new_tokens: int) -> Callable[[], None]:
     return lambda: trainer.train_iteration(columns, iteration=next(iteration))
 
 
+def _teacher_work(new_tokens: int) -> tuple[Path, list[tuple[list[int], list[int]]], list[np.ndarray]]:
+    model_dir = write_policy("tiny", Path(tempfile.mkdtemp(prefix="cpu-stages-")), vocab=VOCAB)
+    rng = np.random.default_rng(0)
+    # as the long size's teacher shards: ~33-token teacher prompts (the question and the verifier's
+    # feedback), answers of 3/4 to all of `new_tokens` tokens
+    sequences = [
+        (rng.integers(3, VOCAB, size=int(rng.integers(20, 48))).tolist(), rng.integers(3, VOCAB, size=n).tolist())
+        for n in rng.integers(new_tokens * 3 // 4, new_tokens + 1, size=512)
+    ]
+    topk = [rng.integers(0, VOCAB, size=(len(r), 16)) for _, r in sequences]
+    return model_dir, sequences, topk
+
+
+def teacher(new_tokens: int) -> Callable[[], None]:
+    from tasks.megatron.scorer import MegatronTeacherScorer
+
+    model_dir, sequences, topk = _teacher_work(new_tokens)
+    scorer = MegatronTeacherScorer.from_hf(model_dir, dtype=torch.float32)
+    return lambda: scorer.score(sequences=sequences, topk_ids=topk, batch_tokens=16384)
+
+
+def teacher_hf(new_tokens: int) -> Callable[[], None]:
+    from transformers import AutoModelForCausalLM
+
+    from tasks.engines.scorer import score_teacher
+
+    model_dir, sequences, topk = _teacher_work(new_tokens)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    return lambda: score_teacher(model, sequences=sequences, topk_ids=topk, batch_tokens=16384)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("stage", choices=["rollout", "train"])
+    parser.add_argument("stage", choices=["rollout", "teacher", "teacher-hf", "train"])
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
-    call = {"rollout": rollout, "train": train}[args.stage](args.new_tokens)
+    stages = {"rollout": rollout, "teacher": teacher, "teacher-hf": teacher_hf, "train": train}
+    call = stages[args.stage](args.new_tokens)
     call()  # warm-up
     seconds = []
     for _ in range(args.repeats):

@@ -7,12 +7,17 @@ Both sides get the same model folder (benchmarks/gpu/pipeline_run.py's random-in
 `--shape`, float32 here), the same arithmetic prompts, G answers per prompt, the same new-token
 limit, top-K 16 + tail, alpha 0.5, EMA teacher (tau 0.05), lr 1e-6 and one optimizer step per
 iteration. Ours is the CLI (benchmarks/gpu/pipeline.yaml with CPU placement: Prefect flow, shards,
-manifests, HF and EMA checkpoints every iteration, MLflow); TRL's is
+manifests, HF and EMA checkpoints every iteration, MLflow; the teacher scored by the default
+in-process HF scorer); TRL's is
 benchmarks/gpu/trl_sdpo.py. Runs alternate A/B/A/B, TRL first in each pair. Each side's figure is
 its steady iteration (the median of iterations 2 onward in a run, so our last iteration's full-state
 save counts once, not as a mean), then the median over pairs; peak RSS is the
 whole process tree's (the CLI's Prefect server and stage processes included), sampled every 0.2 s,
-as RSS and as PSS (shared pages split between the processes that map them).
+as RSS and as PSS (shared pages split between the processes that map them). Our side's harness
+(benchmarks/gpu/pipeline_run.py: it writes the model, starts `sdpo run` and reads the run back
+after it ends) is the tree's root and is not counted; TRL's trainer is its harness's own process.
+Where the time goes: TRL's generation and no-gradient forwards (its teacher) against our rollout,
+teacher and train stages' compute; where the memory goes: our tree's processes at its peak.
 TRL's trainer is imported from the bench venv, never from the project's.
 """
 
@@ -41,6 +46,10 @@ CPU = [
     "rollout.device=cpu",
     "rollout.dtype=float32",
     "rollout.top_k=16",
+    # the default teacher scorer (the HF model in process): on the CPU it scores this work in ~0.8 of the
+    # Megatron forward's time (`benchmarks/cpu_stages.py teacher` against `score_teacher`), which the
+    # GPU config selects for tensor parallelism
+    "teacher.backend=embedded",
     "train.fused_kernels=false",
     "train.loss_compile=false",
     "train.loss_chunk_tokens=0",
@@ -48,14 +57,26 @@ CPU = [
 ]
 
 
+def _role(process: psutil.Process) -> str:
+    """What a process of our tree is, by its command line."""
+    line = " ".join(process.cmdline())
+    for marker, role in (("flows.cli", "sdpo run"), ("uvicorn", "Prefect server"), ("-m tasks.", "stage/sandbox")):
+        if marker in line:
+            return role
+    return "other"
+
+
 def run_measured(
-    command: list[str], *, env: dict[str, str], log: Path
-) -> tuple[list[dict[str, Any]], float, float, float]:
+    command: list[str], *, env: dict[str, str], log: Path, count_root: bool = True
+) -> tuple[list[dict[str, Any]], float, float, float, dict[str, float]]:
     """Run `command`; (its RESULT records, wall seconds, peak RSS and peak PSS of its process tree
-    in GiB). RSS counts a page shared by several processes of the tree (a forked writer's copy of
-    its parent, shared libraries) once per process; PSS splits it between them, so the tree's PSS
-    is the memory it really holds."""
+    in GiB, and the tree's PSS by process role at that peak). RSS counts a page shared by several
+    processes of the tree (a forked writer's copy of its parent, shared libraries) once per
+    process; PSS splits it between them, so the tree's PSS is the memory it really holds. Without
+    `count_root` the command is a harness around the measured processes and only its descendants
+    count."""
     peak = peak_pss = 0.0
+    roles: dict[str, float] = {}
     with log.open("w") as out:
         started = time.perf_counter()
         process = subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
@@ -63,13 +84,18 @@ def run_measured(
         done = threading.Event()
 
         def sample() -> None:
-            nonlocal peak, peak_pss
+            nonlocal peak, peak_pss, roles
             while not done.is_set():
                 try:
-                    tree = [p for p in [root, *root.children(recursive=True)] if p.is_running()]
+                    tree = [p for p in [root] * count_root + root.children(recursive=True) if p.is_running()]
                     memory = [p.memory_full_info() for p in tree]
                     peak = max(peak, sum(m.rss for m in memory) / 2**30)
-                    peak_pss = max(peak_pss, sum(m.pss for m in memory) / 2**30)
+                    pss = sum(m.pss for m in memory) / 2**30
+                    if pss > peak_pss:
+                        peak_pss, roles = pss, {}
+                        for process, m in zip(tree, memory, strict=True):
+                            role = _role(process)
+                            roles[role] = round(roles.get(role, 0.0) + m.pss / 2**30, 3)
                 except psutil.Error:
                     pass  # a process of the tree ended between the listing and the reading
                 done.wait(0.2)
@@ -83,34 +109,39 @@ def run_measured(
     if code != 0:
         raise SystemExit(f"{' '.join(command[:4])} ... exited with {code}; its output is in {log}")
     records = [json.loads(line[7:]) for line in log.read_text().splitlines() if line.startswith("RESULT ")]
-    return records, wall, peak, peak_pss
+    return records, wall, peak, peak_pss, roles
 
 
 def one_pair(size: str, pair: int, args: argparse.Namespace, env: dict[str, str]) -> dict[str, Any]:
     prompts, group, tokens, micro = SIZES[size]
     out = args.out / f"{size}-{pair}"
     shutil.rmtree(out, ignore_errors=True)  # a run left by an earlier invocation would only be read back
-    trl, trl_wall, trl_rss, trl_pss = run_measured(
+    trl, trl_wall, trl_rss, trl_pss, _ = run_measured(
         [sys.executable, "-m", "benchmarks.gpu.trl_sdpo", "--shape", args.shape, "--vocab", str(args.vocab)]
         + ["--out", str(out / "trl"), "--iterations", str(args.iterations), "--prompts", str(prompts)]
         + ["--group", str(group), "--new-tokens", str(tokens), "--top-k", "16", "--micro-batch", str(micro)],
         env=env,
         log=out.with_suffix(".trl.log"),
     )
-    ours, ours_wall, ours_rss, ours_pss = run_measured(
+    ours, ours_wall, ours_rss, ours_pss, ours_roles = run_measured(
         [str(PROJECT_PYTHON), "-m", "benchmarks.gpu.pipeline_run", "--shape", args.shape, "--vocab", str(args.vocab)]
         + ["--out", str(out / "ours"), "--iterations", str(args.iterations), *CPU]
         + [f"data.prompts_per_iteration={prompts}", f"rollout.group_size={group}"]
         + [f"rollout.max_new_tokens={tokens}", f"rollout.batch_size={prompts * group}"],
         env=env,
         log=out.with_suffix(".ours.log"),
+        count_root=False,
     )
     (trl_run,) = [r for r in trl if r["bench"] == "trl"]
     steady = [r for r in ours if r["bench"] == "pipeline_iteration" and r["iteration"] > 1]
-    trl_steady = [r["wall_s"] for r in trl if r["bench"] == "trl_iteration" and r["iteration"] > 1]
+    trl_iterations = [r for r in trl if r["bench"] == "trl_iteration" and r["iteration"] > 1]
+    trl_steady = [r["wall_s"] for r in trl_iterations]
 
     def median(key: str) -> float:
         return round(statistics.median(r[key] for r in steady), 4)
+
+    def trl_median(key: str) -> float:
+        return round(statistics.median(r[key] for r in trl_iterations), 3)
 
     return {
         "size": size,
@@ -121,6 +152,12 @@ def one_pair(size: str, pair: int, args: argparse.Namespace, env: dict[str, str]
         "ours_compute_s": round(
             statistics.median(r["rollout_compute_s"] + r["teacher_compute_s"] + r["train_compute_s"] for r in steady), 3
         ),
+        "ours_rollout_s": median("rollout_compute_s"),
+        "ours_teacher_s": median("teacher_compute_s"),
+        "ours_train_s": median("train_compute_s"),
+        "trl_generate_s": trl_median("generate_s"),
+        "trl_teacher_s": trl_median("teacher_forward_s"),
+        "trl_student_forward_s": trl_median("student_forward_s"),
         "outside_stages_share": median("outside_stages_share"),
         "outside_compute_share": median("outside_compute_share"),
         "trl_process_s": round(trl_wall, 1),
@@ -129,6 +166,7 @@ def one_pair(size: str, pair: int, args: argparse.Namespace, env: dict[str, str]
         "ours_peak_rss_gib": round(ours_rss, 2),
         "trl_peak_pss_gib": round(trl_pss, 2),
         "ours_peak_pss_gib": round(ours_pss, 2),
+        "ours_pss_by_process_gib": ours_roles,
     }
 
 
@@ -164,9 +202,14 @@ def main() -> None:
         "| peak RSS ours / TRL GiB | peak PSS ours / TRL GiB |"
     )
     print("|---|---|---|---|---|---|---|---|")
+    medians = {}
     for size in args.sizes:
         mine = [r for r in rows if r["size"] == size]
-        med = {k: statistics.median(r[k] for r in mine) for k in mine[0] if k not in ("size", "pair")}
+        medians[size] = med = {
+            k: statistics.median(r[k] for r in mine)
+            for k in mine[0]
+            if k not in ("size", "pair", "ours_pss_by_process_gib")
+        }
         prompts, group, tokens, _ = SIZES[size]
         print(
             f"| {prompts} × {group}, ≤ {tokens} new tokens | {med['trl_s']:.2f} | {med['ours_s']:.2f} | "
@@ -174,6 +217,23 @@ def main() -> None:
             f"{med['ours_peak_rss_gib']:.2f} / {med['trl_peak_rss_gib']:.2f} | "
             f"{med['ours_peak_pss_gib']:.2f} / {med['trl_peak_pss_gib']:.2f} |"
         )
+    print(
+        "\n| work | sampling TRL / ours s | teacher forward TRL / ours s | the rest of TRL's step / our "
+        "training s | ours outside compute s |"
+    )
+    print("|---|---|---|---|---|")
+    for size, med in medians.items():
+        prompts, group, tokens, _ = SIZES[size]
+        trl_rest = med["trl_s"] - med["trl_generate_s"] - med["trl_teacher_s"]
+        print(
+            f"| {prompts} × {group}, ≤ {tokens} new tokens | {med['trl_generate_s']:.2f} / {med['ours_rollout_s']:.2f} | "
+            f"{med['trl_teacher_s']:.2f} / {med['ours_teacher_s']:.2f} | {trl_rest:.2f} / {med['ours_train_s']:.2f} | "
+            f"{med['ours_s'] - med['ours_compute_s']:.2f} |"
+        )
+    print("\nour process tree's PSS at its peak, by process (GiB):")
+    for row in rows:
+        parts = ", ".join(f"{role} {gib:.2f}" for role, gib in sorted(row["ours_pss_by_process_gib"].items()))
+        print(f"  {row['size']} pair {row['pair'] + 1}: {parts}")
 
 
 if __name__ == "__main__":

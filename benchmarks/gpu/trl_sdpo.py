@@ -11,14 +11,20 @@ answers all hit the length limit, so every prompt carries the arithmetic verifie
 as TRL's `privileged_context`, which is what the pipeline's teacher sees for those answers.
 Generation is TRL's default (transformers `generate`, no vLLM). Iteration n's seconds are the time
 between the ends of optimizer steps n-1 and n (a trainer callback); step 1 counts from the first
-call of `train`. Prints one `RESULT {json}` line per iteration as it ends and one for the run.
+call of `train`. Each iteration also reports where its time went: `generate_s` (the trainer's
+`_generate`), `teacher_forward_s` (its `_forward_logits` calls without gradients: the teacher's
+logits, and the old-policy log-probs when TRL needs them) and `student_forward_s` (those with
+gradients); the rest is the backward pass, the loss, the optimizer, rewards and batch building.
+Prints one `RESULT {json}` line per iteration as it ends and one for the run.
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from benchmarks.gpu.common import SHAPES, VOCAB, emit, gib, peak, reset_peak
 
@@ -100,12 +106,33 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(policy, dtype=torch.bfloat16 if bf16 else torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(policy)
 
+    phases = {"generate_s": 0.0, "teacher_forward_s": 0.0, "student_forward_s": 0.0}
+
+    def timed(method: Any, phase: Callable[[], str]) -> Any:
+        def call(*a: Any, **kw: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return method(*a, **kw)
+            finally:
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                phases[phase()] += time.perf_counter() - started
+
+        return call
+
+    SDPOTrainer._generate = timed(SDPOTrainer._generate, lambda: "generate_s")
+    SDPOTrainer._forward_logits = timed(
+        SDPOTrainer._forward_logits,
+        lambda: "student_forward_s" if torch.is_grad_enabled() else "teacher_forward_s",
+    )
+
     class StepClock(TrainerCallback):
         """One RESULT line per optimizer step as it ends (a run cut short keeps what it measured)."""
 
         def __init__(self) -> None:
             self.previous = 0.0
             self.seconds: list[float] = []
+            self.phases: list[dict[str, float]] = []
 
         def on_step_end(self, *_: object, **__: object) -> None:
             if torch.cuda.is_available():
@@ -113,6 +140,8 @@ def main() -> None:
             now = time.perf_counter()
             self.seconds.append(now - self.previous)
             self.previous = now
+            self.phases.append({k: round(v, 3) for k, v in phases.items()})
+            phases.update(dict.fromkeys(phases, 0.0))
 
         def on_log(
             self, _args: object, _state: object, _control: object, logs: dict | None = None, **__: object
@@ -124,6 +153,7 @@ def main() -> None:
                         "shape": args.shape,
                         "iteration": len(self.seconds),
                         "wall_s": round(self.seconds[-1], 2),
+                        **self.phases[-1],
                         "loss": logs["loss"],
                         "completion_length": logs.get("completions/mean_length"),
                         "peak_allocated_gib": round(gib(peak()), 1),

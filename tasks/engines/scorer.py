@@ -6,8 +6,9 @@ response token itself. The response is never re-tokenised: the ids the student s
 ids scored.
 
 Memory: the decoder runs on a right-padded batch of at most `batch_tokens` (padded) tokens, but the
-vocabulary projection runs only on the response positions, `logit_chunk_tokens` rows at a time, so
-the largest logits tensor is [logit_chunk_tokens, V], never [batch, T, V].
+vocabulary projection runs only on the batch's response positions, gathered across its sequences
+and projected `logit_chunk_tokens` rows at a time, so the largest logits tensor is
+[logit_chunk_tokens, V], never [batch, T, V].
 
 Given the student's prompt instead of the teacher's, the same function recomputes the student's
 own log-probs (the rollout engine's numbers, up to float round-off).
@@ -140,35 +141,46 @@ def score_teacher(
         if reference_model is not None:
             ref_hidden = ref_decoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
 
-        for row, i in enumerate(batch):
-            prompt, response = sequences[i]
-            start, num_tokens = len(prompt) - 1, len(response)
-            # The token each scored position predicts, read back from the sequence itself: it must be
-            # the student's response, or the positions are misaligned.
-            targets = input_ids[row, start + 1 : start + 1 + num_tokens]  # [T]
-            if targets.tolist() != list(response):
-                raise AssertionError(
-                    f"sequence {i}: the tail of the scored sequence {targets.tolist()} differs from the "
-                    f"student's response ids {list(response)}"
-                )
-            ids = torch.as_tensor(topk_ids[i], dtype=torch.long, device=device)  # [T, K]
-            topk_parts, sampled_parts = [], []
-            for c0 in range(0, num_tokens, logit_chunk_tokens):
-                c1 = min(c0 + logit_chunk_tokens, num_tokens)
-                logits = head(hidden[row, start + c0 : start + c1]).float()  # [C, V]
-                if reference_model is not None:
-                    ref_logits = ref_head(ref_hidden[row, start + c0 : start + c1]).float()
-                    logits = trust_region_logits(ref_logits, logits, rate=trust_region_rate)
-                log_norm = torch.logsumexp(logits, dim=-1, keepdim=True)  # [C, 1]
-                topk_parts.append(logits.gather(-1, ids[c0:c1]) - log_norm)  # [C, K]
-                sampled_parts.append((logits.gather(-1, targets[c0:c1, None]) - log_norm)[:, 0])  # [C]
-            k = topk_ids[i].shape[1]
+        # Every response position of the batch, flattened: one projection per chunk of
+        # `logit_chunk_tokens` positions across sequences instead of one per sequence.
+        bounds = np.cumsum([0, *(len(sequences[i][1]) for i in batch)])  # each sequence's span of the N positions
+        flat = torch.from_numpy(
+            np.concatenate(
+                [np.arange(len(sequences[i][0]) - 1, lengths[i] - 1) + row * width for row, i in enumerate(batch)]
+            )
+        ).to(device)  # [N]
+        # The token each scored position predicts, read back from the sequence itself: it must be
+        # the student's response, or the positions are misaligned.
+        targets = input_ids.reshape(-1)[flat + 1]  # [N]
+        expected = torch.tensor([t for i in batch for t in sequences[i][1]], dtype=torch.long, device=device)
+        if not torch.equal(targets, expected):
+            first = int((targets != expected).nonzero()[0, 0])
+            j = int(np.searchsorted(bounds, first, side="right")) - 1
+            raise AssertionError(
+                f"sequence {batch[j]}: the tail of the scored sequence "
+                f"{targets[bounds[j] : bounds[j + 1]].tolist()} differs from the student's response ids "
+                f"{list(sequences[batch[j]][1])}"
+            )
+        ids = torch.from_numpy(np.concatenate([np.asarray(topk_ids[i], dtype=np.int64) for i in batch])).to(device)
+        states = hidden.reshape(-1, hidden.shape[-1]).index_select(0, flat)  # [N, H]
+        if reference_model is not None:
+            ref_states = ref_hidden.reshape(-1, ref_hidden.shape[-1]).index_select(0, flat)
+        topk_parts, sampled_parts = [], []
+        for c0 in range(0, flat.shape[0], logit_chunk_tokens):
+            c1 = min(c0 + logit_chunk_tokens, flat.shape[0])
+            logits = head(states[c0:c1]).float()  # [C, V]
+            if reference_model is not None:
+                ref_logits = ref_head(ref_states[c0:c1]).float()
+                logits = trust_region_logits(ref_logits, logits, rate=trust_region_rate)
+            log_norm = torch.logsumexp(logits, dim=-1, keepdim=True)  # [C, 1]
+            topk_parts.append(logits.gather(-1, ids[c0:c1]) - log_norm)  # [C, K]
+            sampled_parts.append((logits.gather(-1, targets[c0:c1, None]) - log_norm)[:, 0])  # [C]
+        k = topk_ids[batch[0]].shape[1]
+        topk_all = torch.cat(topk_parts).cpu().numpy() if topk_parts else np.zeros((0, k), dtype=np.float32)
+        sampled_all = torch.cat(sampled_parts).cpu().numpy() if sampled_parts else np.zeros((0,), dtype=np.float32)
+        for j, i in enumerate(batch):
             results[i] = TeacherScores(
-                topk_logprobs=(
-                    torch.cat(topk_parts).cpu().numpy() if topk_parts else np.zeros((0, k), dtype=np.float32)
-                ).astype(np.float32),
-                sampled_logprobs=(
-                    torch.cat(sampled_parts).cpu().numpy() if sampled_parts else np.zeros((0,), dtype=np.float32)
-                ).astype(np.float32),
+                topk_logprobs=np.ascontiguousarray(topk_all[bounds[j] : bounds[j + 1]], dtype=np.float32),
+                sampled_logprobs=np.ascontiguousarray(sampled_all[bounds[j] : bounds[j + 1]], dtype=np.float32),
             )
     return results
