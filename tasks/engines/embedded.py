@@ -166,8 +166,8 @@ class EmbeddedEngine(RolloutEngine):
         # host keeps queueing work (steps past the last stop are masked out below, so the result is the same)
         sync_every = 1 if device.type == "cpu" else _GPU_STOP_CHECK_EVERY
         # Each step's outputs go into buffers of the whole batch allocated here, once: small
-        # per-step tensors kept alive between each step's large temporaries would fragment the
-        # heap (on the CPU the process kept ~2 MB per decode step of a 512-row batch).
+        # per-step tensors kept alive between each step's large temporaries fragment the heap (on
+        # the CPU a 512 x 256 call then held up to ~2 MB more per decode step, varying run to run).
         tokens = torch.zeros((batch, max_new_tokens), dtype=torch.long, device=device)  # [B, S]
         sampled = torch.zeros((batch, max_new_tokens), dtype=torch.float32, device=device)  # [B, S]
         topk_ids_all = torch.zeros((batch, max_new_tokens, top_k), dtype=torch.long, device=device)  # [B, S, K]
