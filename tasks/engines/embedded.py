@@ -83,6 +83,16 @@ class EmbeddedEngine(RolloutEngine):
 
     @torch.no_grad()
     def _sample(self, prompts: list[list[int]], params: SamplingParams, *, progress: bool) -> list[list[Generation]]:
+        from tasks.megatron.compat import without_device_rewrite
+
+        # a process that also trains with Megatron on the CPU rewrites CUDA devices through a torch
+        # function mode, a Python hook on every torch call; decoding names no CUDA device
+        with without_device_rewrite():
+            return self._sample_batches(prompts, params, progress=progress)
+
+    def _sample_batches(
+        self, prompts: list[list[int]], params: SamplingParams, *, progress: bool
+    ) -> list[list[Generation]]:
         from tqdm.auto import tqdm
 
         model = self.model

@@ -290,3 +290,27 @@ def test_a_decode_step_keeps_no_tensor_of_its_own_alive(checkpoint, prompts):
         engine.close()
     assert len(calls) == 40  # the prompt's forward and 39 decode steps
     assert live[36] == live[6], live
+
+
+def test_decoding_runs_without_the_megatron_cpu_device_rewrite(checkpoint, prompts):
+    """A process that trains with Megatron on the CPU has a CUDA->CPU torch function mode entered
+    (a Python hook on every torch call, ~15 % of a decode loop); the engine's steps run without it,
+    and the mode is back afterwards."""
+    from torch.overrides import _get_current_function_mode
+
+    from tasks.megatron.parallel import init_parallel
+
+    init_parallel(tensor_parallel=1, seed=0)
+    rewrite = _get_current_function_mode()
+    assert rewrite is not None
+    path, _ = checkpoint
+    engine = EmbeddedEngine(str(path), max_batch_size=16)
+    modes = []
+    handle = engine.model.register_forward_hook(lambda *_: modes.append(_get_current_function_mode()))
+    try:
+        sample(engine, prompts, max_new_tokens=4)
+    finally:
+        handle.remove()
+        engine.close()
+    assert modes and all(mode is None for mode in modes)
+    assert _get_current_function_mode() is rewrite

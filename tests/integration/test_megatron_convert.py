@@ -364,3 +364,23 @@ def test_unknown_megatron_version_warns(monkeypatch):
         warnings.simplefilter("always")
         compat._check_version()
     assert any("0.0.7" in str(w.message) for w in caught)
+
+
+def test_without_device_rewrite_suspends_the_mode_for_the_block_only(mcore):
+    """Inside the block a CUDA device is not rewritten (a CPU-only torch refuses it); after it,
+    the thread's rewrite is back; another mode on top of it is refused, not popped."""
+    from torch.overrides import TorchFunctionMode, _get_current_function_mode
+
+    assert torch.zeros(1, device="cuda").device.type == "cpu"
+    rewrite = _get_current_function_mode()
+    with compat.without_device_rewrite():
+        assert _get_current_function_mode() is None
+        with pytest.raises((RuntimeError, AssertionError)):
+            torch.zeros(1, device="cuda")
+    assert _get_current_function_mode() is rewrite
+    assert torch.zeros(1, device="cuda").device.type == "cpu"
+
+    with TorchFunctionMode(), pytest.raises(RuntimeError, match="not the innermost"):
+        with compat.without_device_rewrite():
+            pass
+    assert _get_current_function_mode() is rewrite
