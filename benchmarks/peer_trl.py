@@ -87,7 +87,8 @@ def run_measured(
             nonlocal peak, peak_pss, roles
             while not done.is_set():
                 try:
-                    tree = [p for p in [root] * count_root + root.children(recursive=True) if p.is_running()]
+                    measured = ([root] if count_root else []) + root.children(recursive=True)
+                    tree = [p for p in measured if p.is_running()]
                     memory = [p.memory_full_info() for p in tree]
                     peak = max(peak, sum(m.rss for m in memory) / 2**30)
                     pss = sum(m.pss for m in memory) / 2**30

@@ -180,7 +180,7 @@ class EmbeddedEngine(RolloutEngine):
         # the CPU a 512 x 256 call then held up to ~2 MB more per decode step, varying run to run).
         tokens = torch.zeros((batch, max_new_tokens), dtype=torch.long, device=device)  # [B, S]
         sampled = torch.zeros((batch, max_new_tokens), dtype=torch.float32, device=device)  # [B, S]
-        topk_ids_all = torch.zeros((batch, max_new_tokens, top_k), dtype=torch.long, device=device)  # [B, S, K]
+        topk_ids_all = torch.zeros((batch, max_new_tokens, top_k), dtype=torch.int32, device=device)  # [B, S, K]
         topk_lp_all = torch.zeros((batch, max_new_tokens, top_k), dtype=torch.float32, device=device)  # [B, S, K]
         num_tokens = torch.zeros(batch, dtype=torch.long, device=device)  # [B]; active steps form a prefix
         for step in range(max_new_tokens):
@@ -211,7 +211,7 @@ class EmbeddedEngine(RolloutEngine):
 
         tokens_np = tokens.cpu().numpy()  # [B, S]
         sampled_np = sampled.cpu().numpy()  # [B, S]
-        topk_ids_np = topk_ids_all.cpu().numpy().astype(np.int32)  # [B, S, K]
+        topk_ids_np = topk_ids_all.cpu().numpy()  # [B, S, K]
         topk_lp_np = topk_lp_all.cpu().numpy()  # [B, S, K]
         num_tokens_np = num_tokens.cpu().numpy()  # [B]
         stop_set = set(stop_token_ids)
