@@ -8,14 +8,17 @@ of `--new-tokens` tokens behind 20-47-token teacher prompts; `teacher-hf` the sa
 default in-process HF scorer (`tasks.engines.scorer.score_teacher`). `train` times one optimizer
 step of `MegatronTrainer` on 512 synthetic answers of `--new-tokens` tokens (top-16 + tail, packed
 4,096-token rows, float32, `train.deterministic` as by default). Medians of `--repeats` after one
-warm-up; `--profile` adds the operators' self CPU time of one more call.
+warm-up, with the minor page faults per call; the heap tuned as in `sdpo` processes
+(`tasks.allocator.keep_freed_heap`) unless `--glibc-defaults`; `--profile` adds the operators' self
+CPU time of one more call.
 
-    OMP_NUM_THREADS=2 .venv/bin/python -m benchmarks.cpu_stages rollout|teacher|teacher-hf|train [--repeats 5] [--profile]
+    OMP_NUM_THREADS=2 .venv/bin/python -m benchmarks.cpu_stages rollout|teacher|teacher-hf|train [--repeats 5] [--glibc-defaults] [--profile]
 """
 
 from __future__ import annotations
 
 import argparse
+import resource
 import statistics
 import tempfile
 import time
@@ -90,18 +93,31 @@ def main() -> None:
     parser.add_argument("stage", choices=["rollout", "teacher", "teacher-hf", "train"])
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--glibc-defaults", action="store_true", help="leave malloc's thresholds moving")
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
+    if not args.glibc_defaults:
+        from tasks.allocator import keep_freed_heap
+
+        keep_freed_heap()
     stages = {"rollout": rollout, "teacher": teacher, "teacher-hf": teacher_hf, "train": train}
     call = stages[args.stage](args.new_tokens)
     call()  # warm-up
     seconds = []
+    cpu = []
+    faults_before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     for _ in range(args.repeats):
-        started = time.perf_counter()
+        started, used = time.perf_counter(), time.process_time()
         call()
         seconds.append(time.perf_counter() - started)
+        cpu.append(time.process_time() - used)
+    faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults_before) / args.repeats
     runs = " ".join(f"{s:.2f}" for s in seconds)
-    print(f"{args.stage}: median {statistics.median(seconds):.2f} s ({runs}), {torch.get_num_threads()} threads")
+    heap = "glibc defaults" if args.glibc_defaults else "heap kept"
+    print(
+        f"{args.stage}: median {statistics.median(seconds):.2f} s ({runs}), {torch.get_num_threads()} threads, "
+        f"CPU {statistics.median(cpu):.2f} s, {faults:,.0f} minor page faults per call ({heap})"
+    )
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 

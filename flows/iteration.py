@@ -27,6 +27,7 @@ from flows.orchestration import (
     skipped,
 )
 from tasks import stages
+from tasks.allocator import keep_freed_heap
 
 logger = logging.getLogger(__name__)
 
@@ -214,6 +215,7 @@ def sdpo_advance(
     from tasks.runtime import run_layout
 
     quiet_libraries()
+    keep_freed_heap()  # a worker's flow run does not start in the CLI's main()
     cfg = load_config(config_path, overrides or [])
     preflight(cfg)  # before the run lock: a run that cannot start leaves no run folder
     layout = run_layout(cfg)

@@ -16,6 +16,7 @@ from prefect import flow
 from flows.iteration import Prefetch, complete_iteration, finish_run
 from flows.orchestration import name_flow_run, quiet_libraries
 from tasks import stages
+from tasks.allocator import keep_freed_heap
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +48,7 @@ def sdpo_run(
     from tasks.tracking.summary import RunSummary
 
     quiet_libraries()
+    keep_freed_heap()  # a worker's flow run does not start in the CLI's main()
     cfg = load_config(config_path, overrides or [])
     preflight(cfg)  # before the run lock: a run that cannot start leaves no run folder
     layout = run_layout(cfg)

@@ -21,6 +21,7 @@ from prefect import flow
 from flows.iteration import complete_iteration
 from flows.orchestration import name_flow_run, quiet_libraries
 from tasks import stages
+from tasks.allocator import keep_freed_heap
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +87,7 @@ def sdpo_test_time(
     from tasks.tracking.experiment import open_tracker
 
     quiet_libraries()
+    keep_freed_heap()  # a worker's flow run does not start in the CLI's main()
     cfg = load_config(config_path, overrides or [])
     preflight(cfg)
     check_attacks(cfg)

@@ -11,6 +11,9 @@ from flows.cli.app import app
 
 
 def main() -> None:
+    from tasks.allocator import keep_freed_heap
+
+    keep_freed_heap()  # before any tensor work of this process (a stage process starts here too)
     app()
 
 

@@ -32,6 +32,16 @@ class Batch:
     logit_rows: Any = None  # [B, T] flat index into the micro-batch's logits [B' * S'] per response token
     packed_seq_params: Any = None  # Megatron PackedSeqParams (thd, boundaries on the CPU)
 
+    def scored_rows(self) -> Any:
+        """The flat positions b * S' + s of `tokens` [B', S'] whose logits predict a response token,
+        in the row-major order of `response_mask` [B, T]: [N]."""
+        import torch
+
+        if self.logit_rows is not None:
+            return self.logit_rows[self.response_mask]
+        offsets = torch.arange(self.tokens.shape[0], device=self.tokens.device)[:, None] * self.tokens.shape[1]
+        return (self.response_positions + offsets)[self.response_mask]
+
     def to(self, device: Any) -> Batch:
         """The same batch with its tensors on `device` (the packing boundaries stay on the CPU)."""
         moved = {

@@ -37,6 +37,7 @@ class MegatronTrainer:
 
         from tasks.megatron.convert import load_hf_into_megatron
         from tasks.megatron.model import build_gpt_model
+        from tasks.megatron.output_rows import OutputRows
         from tasks.megatron.parallel import init_parallel
 
         self.cfg = cfg
@@ -56,6 +57,7 @@ class MegatronTrainer:
         )
         if load_weights:
             load_hf_into_megatron(model, str(hf_dir))
+        self.output_rows = OutputRows(model)  # logits at the response positions alone
         self.vocab_size = int(self.hf_config.vocab_size)
         self._wrap(model)
         self.iteration = 0  # the iteration whose output these weights are
@@ -120,18 +122,7 @@ class MegatronTrainer:
         from sdpo_core.losses import LossInputs, policy_loss
 
         cfg = self.cfg
-        if cfg.train.loss_chunk_tokens > 0:
-            student_topk, student_tok = self._chunked_student_logprobs(batch, logits)
-        else:
-            logits = logits[..., : self.vocab_size].float()  # Megatron may pad the vocabulary
-            if batch.logit_rows is not None:
-                resp_logits = logits.reshape(-1, logits.shape[-1])[batch.logit_rows]  # [B, T, V]
-            else:
-                index = batch.response_positions.unsqueeze(-1).expand(-1, -1, logits.shape[-1])
-                resp_logits = torch.gather(logits, 1, index)  # [B, T, V]
-            lse = torch.logsumexp(resp_logits, dim=-1, keepdim=True)  # [B, T, 1]
-            student_topk = torch.gather(resp_logits, -1, batch.topk_ids) - lse  # [B, T, K]
-            student_tok = torch.gather(resp_logits, -1, batch.response_ids.unsqueeze(-1)).squeeze(-1) - lse.squeeze(-1)
+        student_topk, student_tok = self._student_logprobs(batch, logits)
         out = policy_loss(
             LossInputs(
                 student_topk_logprobs=student_topk,
@@ -159,32 +150,36 @@ class MegatronTrainer:
         metrics.update({_COUNT + name: torch.tensor(float(n)) for name, n in out.metric_counts.items()})
         return out.loss * scale, metrics
 
-    def _chunked_student_logprobs(self, batch: Batch, logits: Any) -> tuple[Any, Any]:
-        """Student log-probs at the top-K ids [B, T, K] and the sampled ids [B, T], streamed over
-        token and vocabulary chunks (`sdpo_core.chunked`); vocab-parallel when the logits are sharded."""
+    def _student_logprobs(self, batch: Batch, logits: Any) -> tuple[Any, Any]:
+        """Student log-probs at the top-K ids [B, T, K] and the sampled ids [B, T] from the logits
+        of the micro-batch's response positions ([1, N, V_local], `OutputRows`): a full-vocabulary
+        logsumexp, or streamed over token and vocabulary chunks (`sdpo_core.chunked`), vocab-parallel
+        when the logits are sharded."""
         import torch
 
         from sdpo_core.chunked import chunked_token_logprobs
         from tasks.megatron.vocab_parallel import tensor_parallel_token_logprobs
 
-        flat = logits.reshape(-1, logits.shape[-1])  # [B' * S', V_local]
-        if batch.logit_rows is not None:
-            logit_rows = batch.logit_rows
-        else:
-            width = logits.shape[1]
-            offsets = torch.arange(batch.response_positions.shape[0], device=flat.device)[:, None] * width
-            logit_rows = batch.response_positions + offsets  # [B, T]
         mask = batch.response_mask  # [B, T]
         ids = torch.cat([batch.topk_ids, batch.response_ids.unsqueeze(-1)], dim=-1)  # [B, T, K+1]
-        kwargs = {
-            "vocab_size": self.vocab_size,
-            "chunk_tokens": self.cfg.train.loss_chunk_tokens,
-            "compile": self.cfg.train.loss_compile,
-        }
-        if self.sharded_logits:
-            picked = tensor_parallel_token_logprobs(flat, logit_rows[mask], ids[mask], **kwargs)  # [N, K+1]
+        scored = ids[mask]  # [N, K+1]
+        flat = logits.reshape(-1, logits.shape[-1])  # [N, V_local]
+        if flat.shape[0] != scored.shape[0]:
+            raise RuntimeError(f"{flat.shape[0]} logit rows for {scored.shape[0]} response tokens")
+        if self.cfg.train.loss_chunk_tokens > 0:
+            rows = torch.arange(flat.shape[0], device=flat.device)
+            kwargs = {
+                "vocab_size": self.vocab_size,
+                "chunk_tokens": self.cfg.train.loss_chunk_tokens,
+                "compile": self.cfg.train.loss_compile,
+            }
+            if self.sharded_logits:
+                picked = tensor_parallel_token_logprobs(flat, rows, scored, **kwargs)  # [N, K+1]
+            else:
+                picked = chunked_token_logprobs(flat, rows, scored, **kwargs)  # [N, K+1]
         else:
-            picked = chunked_token_logprobs(flat, logit_rows[mask], ids[mask], **kwargs)  # [N, K+1]
+            flat = flat[:, : self.vocab_size].float()  # Megatron may pad the vocabulary
+            picked = torch.gather(flat, -1, scored) - torch.logsumexp(flat, dim=-1, keepdim=True)
         full = picked.new_zeros(ids.shape)  # [B, T, K+1]
         full[mask] = picked
         return full[..., :-1], full[..., -1]
@@ -222,7 +217,8 @@ class MegatronTrainer:
 
             def forward_step(data_iterator: Any, model: Any) -> tuple[Any, Any]:
                 batch = next(data_iterator).to(device)  # noqa: B023 -- called within this step only
-                logits = model(batch.tokens, batch.position_ids, None, packed_seq_params=batch.packed_seq_params)
+                with self.output_rows.only(batch.scored_rows()):
+                    logits = model(batch.tokens, batch.position_ids, None, packed_seq_params=batch.packed_seq_params)
                 return logits, partial(self._loss_func, batch, denominators, scale)  # noqa: B023 -- as above
 
             self.model.zero_grad_buffer()
