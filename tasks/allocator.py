@@ -5,8 +5,8 @@ free memory at the top of the heap exceeds its trim threshold, hands that memory
 thresholds start small (128 KiB) and move with the process's frees. The CPU stages allocate and
 free tensors of tens of MiB every layer of every step (logits, their gradients, activations), so with
 those defaults the heap is given back between steps and faulted in again page by page: one
-optimizer step of the long `make bench-trl` size took ~250,000 minor page faults and 0.5 s of
-kernel time per step (`benchmarks/cpu_stages.py train`). Fixed thresholds keep that memory in the
+optimizer step of the long `make bench-trl` size took 250,000-560,000 minor page faults and 0.5-1 s
+of kernel time (`benchmarks/cpu_stages.py train --glibc-defaults`). Fixed thresholds keep that memory in the
 heap, where the next step reuses it; the process's peak resident memory is unchanged, since what is
 kept is at most what the step had allocated at its peak.
 

@@ -19,7 +19,9 @@ class Batch:
 
     tokens: Any  # [B, S] int64, right padded
     position_ids: Any  # [B, S]
-    response_positions: Any  # [B, T] index into S of the logits predicting response token t
+    # [B, T] flat index b * S' + s into the micro-batch's logits [B' * S'] of the position that
+    # predicts response token t (a padded batch: b * S + its position; packed: `tasks.megatron.packing`)
+    logit_rows: Any
     response_ids: Any  # [B, T]
     response_mask: Any  # [B, T] bool
     topk_ids: Any  # [B, T, K]
@@ -29,25 +31,17 @@ class Batch:
     advantages: Any  # [B]
     sample_mask: Any  # [B] bool
     # Packed micro-batches (train.packing): tokens is one row [1, L] of the samples end to end.
-    logit_rows: Any = None  # [B, T] flat index into the micro-batch's logits [B' * S'] per response token
     packed_seq_params: Any = None  # Megatron PackedSeqParams (thd, boundaries on the CPU)
 
     def scored_rows(self) -> Any:
         """The flat positions b * S' + s of `tokens` [B', S'] whose logits predict a response token,
         in the row-major order of `response_mask` [B, T]: [N]."""
-        import torch
-
-        if self.logit_rows is not None:
-            return self.logit_rows[self.response_mask]
-        offsets = torch.arange(self.tokens.shape[0], device=self.tokens.device)[:, None] * self.tokens.shape[1]
-        return (self.response_positions + offsets)[self.response_mask]
+        return self.logit_rows[self.response_mask]
 
     def to(self, device: Any) -> Batch:
         """The same batch with its tensors on `device` (the packing boundaries stay on the CPU)."""
         moved = {
-            f.name: getattr(self, f.name).to(device)
-            for f in dataclasses.fields(self)
-            if f.name != "packed_seq_params" and getattr(self, f.name) is not None
+            f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self) if f.name != "packed_seq_params"
         }
         return dataclasses.replace(self, **moved)
 
@@ -63,7 +57,7 @@ def make_batch(columns: dict[str, Any], rows: list[int]) -> Batch:
     s = max(len(p) + len(r) for p, r in zip(prompts, responses, strict=True))
     t = max(1, max(len(r) for r in responses))
     tokens = np.zeros((b, s), dtype=np.int64)
-    resp_pos = np.zeros((b, t), dtype=np.int64)
+    logit_rows = np.zeros((b, t), dtype=np.int64)
     resp_ids = np.zeros((b, t), dtype=np.int64)
     mask = np.zeros((b, t), dtype=bool)
     topk_ids = np.zeros((b, t, k), dtype=np.int64)
@@ -74,7 +68,7 @@ def make_batch(columns: dict[str, Any], rows: list[int]) -> Batch:
         n_p, n_r = len(p), len(r)
         tokens[j, :n_p] = p
         tokens[j, n_p : n_p + n_r] = r
-        resp_pos[j, :n_r] = np.arange(n_p - 1, n_p - 1 + n_r)
+        logit_rows[j, :n_r] = j * s + np.arange(n_p - 1, n_p - 1 + n_r)
         resp_ids[j, :n_r] = r
         mask[j, :n_r] = True
         topk_ids[j, :n_r] = np.asarray(columns["topk_ids"][i])
@@ -85,7 +79,7 @@ def make_batch(columns: dict[str, Any], rows: list[int]) -> Batch:
     return Batch(
         tokens=torch.from_numpy(tokens),
         position_ids=torch.from_numpy(positions),
-        response_positions=torch.from_numpy(resp_pos),
+        logit_rows=torch.from_numpy(logit_rows),
         response_ids=torch.from_numpy(resp_ids),
         response_mask=torch.from_numpy(mask),
         topk_ids=torch.from_numpy(topk_ids),
@@ -114,7 +108,6 @@ def make_packed_batch(columns: dict[str, Any], rows: list[int], *, pad_to_multip
         batch,
         tokens=packed.tokens,
         position_ids=packed.position_ids,
-        response_positions=logit_rows,
         logit_rows=logit_rows,
         packed_seq_params=packed.packed_seq_params(),
     )

@@ -45,11 +45,12 @@ def test_logits_at_the_rows_and_every_gradient_equal_the_full_forward(hf_config,
     (want.float().log_softmax(-1) * weights).sum().backward()
 
     seen = {}
-    rows_only.output_layer.register_forward_hook(lambda m, args, out: seen.update(rows=args[0].numel() // 32))
+    hidden = hf_config.hidden_size
+    rows_only.output_layer.register_forward_hook(lambda m, args, out: seen.update(rows=args[0].numel() // hidden))
     with selection.only(rows):
         got = rows_only(tokens, positions, None)
     assert got.shape == (1, len(rows), VOCAB)
-    assert seen["rows"] == len(rows)  # the projection ran on the selected rows alone (hidden size 32)
+    assert seen["rows"] == len(rows)  # the projection ran on the selected rows alone
     (got.reshape(-1, VOCAB).float().log_softmax(-1) * weights).sum().backward()
 
     torch.testing.assert_close(got.reshape(-1, VOCAB), want, rtol=1e-6, atol=1e-6)
