@@ -10,6 +10,12 @@ eviction takes the exclusive lock without waiting and skips the checkpoint when 
 `pinned_cache()` (every stage body runs in one) the pins of the folders handed out last until the
 block ends; outside it a pin covers the call only. The kernel drops a killed process's locks, so a
 crash never leaves a checkpoint pinned.
+
+Checking a cached copy against its manifest hashes its files, and a process hashes each file once:
+it remembers the sha256 of every file it hashed, downloaded with verification or moved in from its
+own upload, with the file's identity (device, inode, size, modification time in ns). A file still
+of that identity is not read again by this process; a write changes its modification time and a
+replacement its inode, so either is hashed again, and every new process hashes each file once.
 """
 
 from __future__ import annotations
@@ -36,6 +42,34 @@ logger = logging.getLogger(__name__)
 
 PINS = "pins"
 _SCOPE: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar("sdpo_cache_pins", default=None)
+# path -> (the file's identity when its sha256 was known, that sha256); see the module docstring
+_HASHED: dict[str, tuple[tuple[int, int, int, int], str]] = {}
+
+
+def _identity(path: Path) -> tuple[int, int, int, int]:
+    st = os.stat(path)
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def _remember_sha256(path: Path, digest: str) -> None:
+    """`path` holds bytes of sha256 `digest` (this process hashed them as it wrote or moved them)."""
+    _HASHED[str(path)] = (_identity(path), digest)
+
+
+def _sha256(path: Path) -> str:
+    """The sha256 of a local file, read only when this process has not hashed it as it is now."""
+    known = _HASHED.get(str(path))
+    identity = _identity(path)
+    if known is not None and known[0] == identity:
+        return known[1]
+    digest = sha256_local_file(path)
+    _HASHED[str(path)] = (identity, digest)
+    return digest
+
+
+def forget_hashes() -> None:
+    """Forget every sha256 this process knows (the next check of each file reads it)."""
+    _HASHED.clear()
 
 
 # -- pins ------------------------------------------------------------------------------------
@@ -110,7 +144,7 @@ def _local_copy_problem(folder: Path, manifest: Manifest, *, verify: bool) -> st
         path = folder / name
         if path.stat().st_size != entry["bytes"]:
             return f"{name} has {path.stat().st_size} bytes, manifest says {entry['bytes']}"
-        if verify and sha256_local_file(path) != entry["sha256"]:
+        if verify and _sha256(path) != entry["sha256"]:
             return f"{name} sha256 differs from the manifest"
     return None
 
@@ -131,6 +165,10 @@ def _fetch(layout: RunLayout, manifest: Manifest, target: Path, *, verify: bool)
             if not target.is_dir():
                 raise
             logger.info("checkpoint %s appeared in the cache meanwhile; using it", target)
+        else:
+            if verify:  # every file was checked as it arrived; a rename keeps its identity
+                for entry in manifest.data["files"]:
+                    _remember_sha256(target / entry["name"], entry["sha256"])
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)
@@ -204,6 +242,9 @@ def adopt_into_cache(
             except OSError:  # a reader downloaded it meanwhile
                 if not target.is_dir():
                     raise
+            else:  # the upload hashed these very files as it read them
+                for entry in manifest.data["files"]:
+                    _remember_sha256(target / entry["name"], entry["sha256"])
         if max_cache_bytes is not None:
             evict_least_recently_used(cache, max_bytes=max_cache_bytes, keep=target)
     return target

@@ -10,13 +10,17 @@ from typing import Any
 
 import numpy as np
 
+from storage.manifest import Manifest
 from tasks.runtime import Run
 
 logger = logging.getLogger(__name__)
 
 
-def evaluate_checkpoint(run: Run, policy_dir: Path, *, progress: bool = True) -> dict[str, float]:
-    """Accuracy metrics (`accuracy_by_source`) of the checkpoint in `policy_dir` on the eval split."""
+def evaluate_checkpoint(
+    run: Run, policy_dir: Path, *, progress: bool = True, policy: Manifest | None = None
+) -> dict[str, float]:
+    """Accuracy metrics (`accuracy_by_source`) of the checkpoint in `policy_dir` on the eval split
+    (`policy`: its manifest, for weights this process kept in memory)."""
     from tasks.data.prompts import load_splits
     from tasks.rollout import sample_groups
 
@@ -28,6 +32,7 @@ def evaluate_checkpoint(run: Run, policy_dir: Path, *, progress: bool = True) ->
         run,
         rows=rows,
         policy_dir=policy_dir,
+        policy=policy,
         n=1,
         temperature=0.0,
         top_p=1.0,
@@ -39,6 +44,7 @@ def evaluate_checkpoint(run: Run, policy_dir: Path, *, progress: bool = True) ->
         run,
         rows=rows,
         policy_dir=policy_dir,
+        policy=policy,
         n=cfg.eval.sampled_n,
         temperature=cfg.eval.temperature,
         top_p=cfg.eval.top_p,
@@ -92,7 +98,7 @@ def accuracy_by_source(greedy: dict[str, Any], sampled: dict[str, Any], *, n: in
     return metrics
 
 
-def teacher_accuracy(run: Run, teacher_dir: Path, *, progress: bool = False) -> float:
+def teacher_accuracy(run: Run, teacher_dir: Path, *, progress: bool = False, teacher: Manifest | None = None) -> float:
     """Greedy accuracy on the eval split of the teacher with the reference answer in context as a
     peer's solution (rendered by `build_teacher_messages`): the gap SDPO distils."""
     from sdpo_core.teacher_context import build_teacher_messages
@@ -112,6 +118,7 @@ def teacher_accuracy(run: Run, teacher_dir: Path, *, progress: bool = False) -> 
         run,
         rows=rows,
         policy_dir=teacher_dir,
+        policy=teacher,
         n=1,
         temperature=0.0,
         top_p=1.0,
@@ -124,19 +131,23 @@ def teacher_accuracy(run: Run, teacher_dir: Path, *, progress: bool = False) -> 
 
 def run_evaluation(root: str, run_name: str, iteration: int) -> dict[str, float]:
     """Evaluate the policy written by `iteration` (0 = the initial model); cached in the store."""
+    from storage.checkpoints import resolve_checkpoint
     from storage.faults import crash_point
     from storage.stages import read_eval, write_eval
-    from tasks.runtime import checkpoint_dir, open_run, teacher_source
+    from tasks.runtime import checkpoint_dir, open_run, teacher_checkpoint, teacher_source
 
     run = open_run(root, run_name)
     cached = read_eval(run.layout, iteration)
     if cached is not None:
         return cached
     crash_point("stage.start:eval", iteration)
-    metrics = evaluate_checkpoint(run, checkpoint_dir(run, iteration, "policy"))
+    policy = resolve_checkpoint(run.layout, f"iter-{iteration}", "policy")
+    metrics = evaluate_checkpoint(run, checkpoint_dir(run, iteration, "policy"), policy=policy)
     # The teacher that scores the next iteration, shown the reference answer as a peer solution:
     # SDPO can only distil what this teacher knows (trust-region mixing is not applied here).
     teacher_dir, _ = teacher_source(run, iteration + 1)
-    metrics["eval/teacher_accuracy"] = teacher_accuracy(run, teacher_dir)
+    n, kind = teacher_checkpoint(run, iteration + 1)
+    teacher = resolve_checkpoint(run.layout, f"iter-{n}", kind)
+    metrics["eval/teacher_accuracy"] = teacher_accuracy(run, teacher_dir, teacher=teacher)
     write_eval(run.layout, iteration, metrics)
     return metrics

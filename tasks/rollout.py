@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from storage.manifest import Manifest
 from tasks.config import RolloutConfig, RunConfig
 from tasks.runtime import Run, checkpoint_dir
 
@@ -22,8 +23,12 @@ _ENGINES: dict[tuple[str, str], Any] = {}
 _VERIFIERS: dict[tuple[str, str, float], Any] = {}  # one budgeted verifier worker per configuration
 
 
-def get_engine(rollout: RolloutConfig, policy_dir: Path, *, cache_key: str) -> Any:
-    """The rollout engine holding `policy_dir`'s weights; one per run and process, reloaded in place."""
+def get_engine(rollout: RolloutConfig, policy_dir: Path, *, cache_key: str, policy: Manifest | None = None) -> Any:
+    """The rollout engine holding `policy_dir`'s weights; one per run and process, reloaded in place
+    (from memory when `policy`, the folder's checkpoint manifest, names weights this process kept;
+    the evaluation also samples from a teacher checkpoint)."""
+    from tasks import kept_weights
+
     key = (cache_key, rollout.engine)
     engine = _ENGINES.get(key)
     if engine is None:
@@ -50,8 +55,11 @@ def get_engine(rollout: RolloutConfig, policy_dir: Path, *, cache_key: str) -> A
                 check_logprobs=cfg.check_logprobs,
             )
         _ENGINES[key] = engine
-    else:
+    elif policy is None:
         engine.load_weights(str(policy_dir))
+    else:
+        with kept_weights.borrowed(str(policy["checkpoint"]), policy) as weights:
+            engine.load_weights(str(policy_dir), weights=weights)
     return engine
 
 
@@ -101,13 +109,15 @@ def sample_groups(
     seed: int,
     iteration: int,
     progress: bool = True,
+    policy: Manifest | None = None,
 ) -> tuple[dict[str, Any], dict[str, float]]:
-    """Sample `n` answers for each row and verify them. Returns (columns, metrics)."""
-    from transformers import AutoTokenizer
+    """Sample `n` answers for each row and verify them. Returns (columns, metrics). `policy` is
+    `policy_dir`'s checkpoint manifest: its weights come from memory when this process kept them."""
+    from tasks.tokenizers import checkpoint_tokenizer
 
     cfg = run.cfg
-    tokenizer = AutoTokenizer.from_pretrained(str(policy_dir))
-    engine = get_engine(cfg.rollout, policy_dir, cache_key=run.url)
+    tokenizer = checkpoint_tokenizer(policy_dir, policy)
+    engine = get_engine(cfg.rollout, policy_dir, cache_key=run.url, policy=policy)
     prompt_ids = [render_prompt_ids(tokenizer, r["prompt_messages"], cfg.model.chat_template_kwargs) for r in rows]
     k = effective_top_k(cfg, len(tokenizer))
     stop_ids = [int(tokenizer.eos_token_id)]
@@ -215,11 +225,13 @@ def run_rollout(root: str, run_name: str, iteration: int) -> dict:
         train_rows, iteration=iteration, per_iteration=cfg.data.prompts_per_iteration, seed=cfg.seed
     )
     behaviour = behaviour_iteration(cfg, iteration)
+    policy = resolve_checkpoint(run.layout, f"iter-{behaviour}", "policy")
     policy_dir = checkpoint_dir(run, behaviour, "policy")
     columns, metrics = sample_groups(
         run,
         rows=rows,
         policy_dir=policy_dir,
+        policy=policy,
         n=cfg.rollout.group_size,
         temperature=cfg.rollout.temperature,
         top_p=cfg.rollout.top_p,
@@ -235,6 +247,6 @@ def run_rollout(root: str, run_name: str, iteration: int) -> dict:
         "rollout",
         columns,
         logprob_dtype=cfg.storage.logprob_dtype,
-        parents=[resolve_checkpoint(run.layout, f"iter-{behaviour}", "policy")],  # the behaviour policy
+        parents=[policy],  # the behaviour policy
         metrics=metrics,
     )

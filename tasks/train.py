@@ -14,48 +14,37 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from tasks.kept_weights import WEIGHTS_FILE
 from tasks.runtime import Run
 
 logger = logging.getLogger(__name__)
 
 
-# the EMA teacher this process stored last, by the sha256 of its stored weights file: the next
-# iteration's update starts from it instead of reading the stored copy back
-_EMA_TEACHER: dict[str, dict[str, Any]] = {}
-_WEIGHTS_FILE = "model.safetensors"
-
-
-def update_teacher(run: Run, iteration: int, policy_dir: Path, out_dir: Path) -> dict[str, Any] | None:
+def update_teacher(
+    run: Run, iteration: int, policy_dir: Path, out_dir: Path, *, policy: dict[str, Any]
+) -> dict[str, Any] | None:
     """Write the EMA teacher of `iteration` into out_dir and return its weights; None when the
-    mode keeps no teacher copy."""
+    mode keeps no teacher copy. `policy` holds the weights stored in `policy_dir`."""
     if run.cfg.teacher.update != "ema":
         return None
-    return ema_teacher_folder(_previous_teacher(run, iteration), policy_dir, out_dir, rate=run.cfg.teacher.update_rate)
-
-
-def remember_teacher(manifest: Any, weights: dict[str, Any]) -> None:
-    """Keep the teacher just stored (its checkpoint manifest) in memory for the next update."""
-    _EMA_TEACHER.clear()
-    _EMA_TEACHER[_weights_digest(manifest)] = weights
-
-
-def _weights_digest(manifest: Any) -> str:
-    (digest,) = [e["sha256"] for e in manifest.data["files"] if e["name"] == _WEIGHTS_FILE]
-    return str(digest)
+    return ema_teacher_folder(
+        _previous_teacher(run, iteration), policy_dir, out_dir, rate=run.cfg.teacher.update_rate, student=policy
+    )
 
 
 def _previous_teacher(run: Run, iteration: int) -> dict[str, Any]:
     """The EMA teacher iteration `iteration` starts from (the initial policy for the first), float32:
-    the copy in memory when it is the stored one (same sha256), else read from the store."""
+    the copy this process kept when it is the stored one (same sha256), else read from the store."""
     from storage.checkpoints import resolve_checkpoint
+    from tasks import kept_weights
     from tasks.runtime import checkpoint_dir, ema_teacher_checkpoint
 
     n, kind = ema_teacher_checkpoint(iteration)
-    digest = _weights_digest(resolve_checkpoint(run.layout, f"iter-{n}", kind))
-    kept = _EMA_TEACHER.pop(digest, None)
-    if kept is not None:
-        logger.info("EMA teacher of iteration %d: starting from the copy in memory (%s)", iteration, digest[:12])
-        return kept
+    if kind == "teacher":  # the first update starts from the base policy, read from the store
+        kept = kept_weights.take("teacher", resolve_checkpoint(run.layout, f"iter-{n}", kind))
+        if kept is not None:
+            logger.info("EMA teacher of iteration %d: starting from the copy in memory", iteration)
+            return kept
     return load_teacher_weights(checkpoint_dir(run, n, kind))
 
 
@@ -63,12 +52,15 @@ def load_teacher_weights(folder: Path) -> dict[str, Any]:
     """A checkpoint folder's weights with its floating tensors in float32 (the EMA's master copy)."""
     from safetensors.torch import load_file
 
-    return {k: v.float() if v.is_floating_point() else v for k, v in load_file(str(folder / _WEIGHTS_FILE)).items()}
+    return {k: v.float() if v.is_floating_point() else v for k, v in load_file(str(folder / WEIGHTS_FILE)).items()}
 
 
-def ema_teacher_folder(teacher: dict[str, Any], policy_dir: Path, out_dir: Path, *, rate: float) -> dict[str, Any]:
+def ema_teacher_folder(
+    teacher: dict[str, Any], policy_dir: Path, out_dir: Path, *, rate: float, student: dict[str, Any]
+) -> dict[str, Any]:
     """`out_dir` = the policy folder with its weights replaced by the EMA teacher's, kept in float32;
-    `teacher` (float32, updated in place) is returned.
+    `teacher` (float32, updated in place toward `student`, the weights stored in `policy_dir`) is
+    returned.
 
     The teacher is the EMA's master copy: with bf16 weights and tau = 0.05, an update of 5% of a
     weight's distance to the student rounds away for most weights and the teacher would never move,
@@ -76,14 +68,13 @@ def ema_teacher_folder(teacher: dict[str, Any], policy_dir: Path, out_dir: Path,
     """
     import shutil
 
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
 
     from sdpo_core.teacher_update import ema_update_
 
-    student = load_file(str(policy_dir / _WEIGHTS_FILE))
     ema_update_(teacher, student, rate=rate)
-    shutil.copytree(policy_dir, out_dir, dirs_exist_ok=True, ignore=shutil.ignore_patterns(_WEIGHTS_FILE))
-    save_file(teacher, str(out_dir / _WEIGHTS_FILE), metadata={"format": "pt"})
+    shutil.copytree(policy_dir, out_dir, dirs_exist_ok=True, ignore=shutil.ignore_patterns(WEIGHTS_FILE))
+    save_file(teacher, str(out_dir / WEIGHTS_FILE), metadata={"format": "pt"})
     return teacher
 
 
@@ -132,6 +123,7 @@ def run_train(root: str, run_name: str, iteration: int) -> dict | None:
     from storage.manifest import read_stage_manifest, stage_done
     from storage.shard_reader import read_stage_columns
     from storage.stages import write_stage_manifest
+    from tasks import kept_weights
     from tasks.megatron.parallel import init_parallel
     from tasks.megatron.resume import get_trainer
     from tasks.runtime import cache_bound_bytes, checkpoint_dir, open_run
@@ -167,7 +159,7 @@ def run_train(root: str, run_name: str, iteration: int) -> dict | None:
     # writes its checkpoint manifest last, and the stage manifest waits for all of them.
     with _shared_scratch(cfg.storage.cache_dir, rank) as tmp_path, ThreadPoolExecutor(1, "upload") as uploads:
         policy_dir = tmp_path / "policy"
-        trainer.save_hf(policy_dir, base_dir)  # collective; rank 0 writes
+        policy = trainer.save_hf(policy_dir, base_dir)  # collective; rank 0 writes and gets the tensors
         produced = []
         uploaded: list[tuple[Path, Any]] = []  # (folder, its checkpoint manifest): weights the next stages load
         teacher_upload = None
@@ -182,8 +174,9 @@ def run_train(root: str, run_name: str, iteration: int) -> dict | None:
                 trained_on=[parent],
             )
             teacher_dir = tmp_path / "teacher"
-            teacher = update_teacher(run, iteration, policy_dir, teacher_dir)
+            teacher = update_teacher(run, iteration, policy_dir, teacher_dir, policy=policy)
             policy_manifest = policy_upload.result()
+            kept_weights.keep("policy", policy_manifest, policy)  # for the next stages of this process
             produced.append(policy_manifest)
             uploaded.append((policy_dir, policy_manifest))
             if teacher is not None:
@@ -208,7 +201,7 @@ def run_train(root: str, run_name: str, iteration: int) -> dict | None:
             metrics["train/megatron_save_seconds"] = time.perf_counter() - save_started
         if teacher_upload is not None:
             teacher_manifest = teacher_upload.result()
-            remember_teacher(teacher_manifest, teacher)
+            kept_weights.keep("teacher", teacher_manifest, teacher)
             produced.append(teacher_manifest)
             uploaded.append((teacher_dir, teacher_manifest))
         if full_state and rank == 0:

@@ -95,14 +95,14 @@ def read_run(root: str, name: str, *, tracking_uri: str) -> dict[str, Any]:
         metrics, committed = manifest["metrics"], _when(manifest["created_at"])
         wall = committed - previous
         previous = committed
-        row: dict[str, Any] = {"iteration": n, "wall_s": round(wall, 2)}
+        row: dict[str, Any] = {"iteration": n, "wall_s": round(wall, 4)}
         staged = 0.0
         for stage, (stage_key, compute_key, rate_key) in COMPUTE.items():
             staged += metrics[stage_key]
-            row[f"{stage}_stage_s"] = round(metrics[stage_key], 2)
-            row[f"{stage}_compute_s"] = round(metrics[compute_key], 2)
+            row[f"{stage}_stage_s"] = round(metrics[stage_key], 4)
+            row[f"{stage}_compute_s"] = round(metrics[compute_key], 4)
             row[f"{stage}_tokens_per_s"] = round(metrics[rate_key])
-        row["outside_stages_s"] = round(wall - staged, 2)
+        row["outside_stages_s"] = round(wall - staged, 4)
         row["outside_stages_share"] = round((wall - staged) / wall, 4)
         compute = sum(metrics[c] for _, c, _ in COMPUTE.values())
         row["outside_compute_share"] = round((wall - compute) / wall, 4)

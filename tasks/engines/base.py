@@ -16,8 +16,9 @@ Conventions every engine follows:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
@@ -123,8 +124,12 @@ class RolloutEngine(ABC):
         """`generate` after its arguments are checked: prompts are non-empty, `params` valid."""
 
     @abstractmethod
-    def load_weights(self, checkpoint_dir: str) -> None:
-        """Replace the policy weights with those of an HF checkpoint folder (same architecture)."""
+    def load_weights(self, checkpoint_dir: str, *, weights: Mapping[str, Any] | None = None) -> None:
+        """Replace the policy weights with those of an HF checkpoint folder (same architecture).
+
+        `weights` are that folder's weights already in this process's memory (`tasks.kept_weights`):
+        an engine holding its model in this process copies them instead of reading the folder's
+        weights file; an engine in another process loads the folder."""
 
     @property
     @abstractmethod

@@ -17,7 +17,9 @@ batch or on `max_batch_size` (up to float round-off in the batched matmuls).
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -63,12 +65,21 @@ class EmbeddedEngine(RolloutEngine):
             raise RuntimeError("the engine is closed")
         return self._model
 
-    def load_weights(self, checkpoint_dir: str) -> None:
+    def load_weights(self, checkpoint_dir: str, *, weights: Mapping[str, Any] | None = None) -> None:
         from transformers import AutoModelForCausalLM
 
         path = Path(checkpoint_dir)
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"{checkpoint_dir!r} is not an HF checkpoint folder (no config.json)")
+        if weights is not None and self._model is not None:
+            from tasks.kept_weights import load_into
+
+            self._weight_version = ""  # until every tensor is copied
+            # the folder's weights, kept in memory by the stage that stored them: copied in place
+            load_into(self._model, weights)
+            self._weight_version = str(path.resolve())
+            logger.info("embedded engine loaded %s from memory", self._weight_version)
+            return
         from tasks.engines.decoding import register_decode_attention
 
         # on the CPU a decode step attends with grouped GEMMs (tasks/engines/decoding.py)

@@ -50,6 +50,7 @@ __all__ = [
     "megatron_to_hf",
     "gather_tensor_parallel_states",
     "load_hf_into_megatron",
+    "load_hf_state_into_megatron",
     "save_megatron_as_hf",
 ]
 
@@ -399,13 +400,23 @@ def load_hf_into_megatron(model: GPTModel, hf_dir: str | Path) -> Any:
     Returns the folder's HF config. The model must have been built from that config
     (`build_gpt_model`) under the current tensor-parallel layout.
     """
-    from megatron.core import parallel_state
     from transformers import AutoConfig
 
     hf_dir = Path(hf_dir)
     hf_config = AutoConfig.from_pretrained(hf_dir)
+    load_hf_state_into_megatron(model, _read_hf_folder(hf_dir), hf_config, source=str(hf_dir))
+    return hf_config
+
+
+def load_hf_state_into_megatron(
+    model: GPTModel, hf_state: Mapping[str, Tensor], hf_config: Any, *, source: str = "HF weights"
+) -> None:
+    """Copy HF-named weights (a checkpoint's, read or kept in memory) into a built GPTModel: this
+    rank's shard, cast to the model's dtype and device. `source` names them in errors."""
+    from megatron.core import parallel_state
+
     state = hf_to_megatron(
-        _read_hf_folder(hf_dir),
+        hf_state,
         hf_config,
         tp_rank=parallel_state.get_tensor_model_parallel_rank(),
         tp_size=parallel_state.get_tensor_model_parallel_world_size(),
@@ -414,20 +425,20 @@ def load_hf_into_megatron(model: GPTModel, hf_dir: str | Path) -> Any:
     missing = [name for name in incompatible.missing_keys if not name.endswith("_extra_state")]
     if missing or incompatible.unexpected_keys:
         raise ValueError(
-            f"loading {hf_dir} into GPTModel: missing {missing[:8]}, unexpected {incompatible.unexpected_keys[:8]}"
+            f"loading {source} into GPTModel: missing {missing[:8]}, unexpected {incompatible.unexpected_keys[:8]}"
         )
-    logger.info("loaded %d HF tensors from %s", len(state), hf_dir)
-    return hf_config
+    logger.info("loaded %d HF tensors from %s", len(state), source)
 
 
 def save_megatron_as_hf(
     model: GPTModel, hf_config: Any, out_dir: str | Path, *, tokenizer_dir: str | Path | None = None
-) -> Path | None:
+) -> dict[str, Tensor] | None:
     """Write the model as an HF folder (config.json + model.safetensors [+ tokenizer files]).
 
     Collective over the tensor-parallel group; the rank with tp_rank == dp_rank == 0 writes and
-    returns the folder, the others return None. The result loads with
-    `AutoModelForCausalLM.from_pretrained(out_dir)`. Weights keep the model's dtype.
+    returns the tensors it wrote (HF names, on the CPU, sharing no storage with the model), the
+    others return None. The folder loads with `AutoModelForCausalLM.from_pretrained(out_dir)`.
+    Weights keep the model's dtype.
     """
     import torch.distributed as dist
     from megatron.core import parallel_state
@@ -435,13 +446,14 @@ def save_megatron_as_hf(
 
     states = gather_tensor_parallel_states(model.state_dict())
     writer = parallel_state.get_tensor_model_parallel_rank() == 0 and parallel_state.get_data_parallel_rank() == 0
-    out: Path | None = None
+    tensors: dict[str, Tensor] | None = None
     if writer:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         hf_state = megatron_to_hf(states, hf_config)
-        # Clone: slices of one fused tensor share storage, which safetensors refuses.
-        tensors = {name: tensor.contiguous().clone() for name, tensor in hf_state.items()}
+        # Copies of their own: slices of one fused tensor share storage, which safetensors refuses,
+        # and the caller keeps these while the model trains on.
+        tensors = {name: _own_cpu_copy(tensor) for name, tensor in hf_state.items()}
         dtypes = {tensor.dtype for tensor in tensors.values()}
         if len(dtypes) != 1:
             raise ValueError(f"mixed parameter dtypes {sorted(map(str, dtypes))}; cast the model first")
@@ -457,4 +469,10 @@ def save_megatron_as_hf(
         logger.info("saved HF model (%d tensors, tp=%d) to %s", len(tensors), len(states), out)
     if dist.is_initialized():
         dist.barrier()
-    return out
+    return tensors
+
+
+def _own_cpu_copy(tensor: Tensor) -> Tensor:
+    """A contiguous CPU copy with storage of its own (a GPU tensor's copy to the host is one)."""
+    tensor = tensor.detach().contiguous()
+    return tensor.cpu() if tensor.device.type != "cpu" else tensor.clone()

@@ -167,29 +167,15 @@ class MegatronTeacherScorer:
 
 
 def score_teacher_megatron(
-    teacher_dir: str | Path,
+    scorer: MegatronTeacherScorer,
     *,
     sequences: list[tuple[list[int], list[int]]],
     topk_ids: list[np.ndarray],
     batch_tokens: int,
-    tensor_parallel: int = 1,
-    dtype: torch.dtype | None = None,
-    reference_dir: str | Path | None = None,
     trust_region_rate: float | None = None,
-    seed: int = 0,
-    fused_kernels: bool = False,
 ) -> list[TeacherScores]:
-    """One-shot scoring for the teacher stage: bf16 on a GPU and float32 on the CPU unless `dtype`."""
-    if dtype is None:
-        dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
-    scorer = MegatronTeacherScorer.from_hf(
-        teacher_dir,
-        tensor_parallel=tensor_parallel,
-        dtype=dtype,
-        seed=seed,
-        reference_dir=reference_dir,
-        fused_kernels=fused_kernels,
-    )
+    """The teacher stage's scoring: every sequence scored once across the data-parallel replicas,
+    and every rank gets every result."""
     from megatron.core import parallel_state
 
     dp_rank = parallel_state.get_data_parallel_rank()

@@ -37,6 +37,20 @@ TINY: dict[str, Any] = {
 }
 
 
+def forget_process_state() -> None:
+    """Drop what a new process would not have: the trainer, the rollout engines, the teacher's
+    scoring models, and the weights and tokenizers kept between stages."""
+    from tasks import kept_weights, rollout, teacher, tokenizers
+    from tasks.megatron import resume
+
+    resume._TRAINERS.clear()
+    rollout._ENGINES.clear()
+    teacher._SCORERS.clear()
+    teacher._MEGATRON.clear()
+    kept_weights.forget()
+    tokenizers.forget()
+
+
 def write_config(tmp_path: Path, name: str, root: str | None = None, *, base: dict | None = None, **sections) -> Path:
     """`<tmp_path>/<name>.yaml`: the tiny config (or `base`) named `name`, runs under `root`."""
     tree = json.loads(json.dumps(base or TINY))

@@ -9,19 +9,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.integration.runs import TINY, differences, fingerprint, write_config
+from tests.integration.runs import TINY, differences, fingerprint, forget_process_state, write_config
 
 THREE = {**TINY, "iterations": 3, "eval": {"every": 2, "sampled_n": 2}}
-
-
-def _forget_process_state() -> None:
-    """What a new process would not have: the trainer and the rollout engines kept between stages."""
-    from tasks import rollout, train
-    from tasks.megatron import resume
-
-    resume._TRAINERS.clear()
-    rollout._ENGINES.clear()
-    train._EMA_TEACHER.clear()
 
 
 @pytest.mark.parametrize(
@@ -49,10 +39,10 @@ def test_one_process_per_iteration_ends_bit_identical(tmp_path, prefect_server, 
     }
     whole = write_config(tmp_path / "a", "exact", root=str(tmp_path / "a" / "runs"), base=THREE, **sections)
     stepped = write_config(tmp_path / "b", "exact", root=str(tmp_path / "b" / "runs"), base=THREE, **sections)
-    _forget_process_state()
+    forget_process_state()
     sdpo_run(str(whole), [])
     for _ in range(THREE["iterations"] + 1):
-        _forget_process_state()
+        forget_process_state()
         sdpo_advance(str(stepped), [])
     a = fingerprint(RunLayout(str(tmp_path / "a" / "runs"), "exact"))
     b = fingerprint(RunLayout(str(tmp_path / "b" / "runs"), "exact"))
@@ -83,12 +73,12 @@ def test_retention_keeps_what_it_promises_across_a_run_and_a_resume(tmp_path, pr
     sections = {"storage": {"retention": RETENTION}}
     whole = write_config(tmp_path / "a", "kept", root=str(tmp_path / "a" / "runs"), base=TEN, **sections)
     stepped = write_config(tmp_path / "b", "kept", root=str(tmp_path / "b" / "runs"), base=TEN, **sections)
-    _forget_process_state()
+    forget_process_state()
     sdpo_run(str(whole), [])
     for _ in range(7):  # iterations 0..6 one process each, then the rest in one: a resume on pruned storage
-        _forget_process_state()
+        forget_process_state()
         sdpo_advance(str(stepped), [])
-    _forget_process_state()
+    forget_process_state()
     sdpo_run(str(stepped), [])
 
     a, b = RunLayout(str(tmp_path / "a" / "runs"), "kept"), RunLayout(str(tmp_path / "b" / "runs"), "kept")

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.integration.runs import TINY, differences, fingerprint, write_config
+from tests.integration.runs import TINY, differences, fingerprint, forget_process_state, write_config
 
 REPO = Path(__file__).resolve().parents[2]
 THREE = {**TINY, "iterations": 3, "eval": {"every": 2, "sampled_n": 2}}
@@ -23,12 +23,8 @@ ALL_SUBPROCESS = {stage: {"launcher": "subprocess"} for stage in ("rollout", "te
 def _run(tmp_path: Path, name: str, base: dict, **sections) -> object:
     from flows.run import sdpo_run
     from storage.layout import RunLayout
-    from tasks import rollout, train
-    from tasks.megatron import resume
 
-    resume._TRAINERS.clear()
-    rollout._ENGINES.clear()
-    train._EMA_TEACHER.clear()
+    forget_process_state()
     folder = tmp_path / name
     sdpo_run(str(write_config(folder, "placed", root=str(folder / "runs"), base=base, **sections)), [])
     return RunLayout(str(folder / "runs"), "placed")

@@ -11,6 +11,7 @@ import warnings
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, Qwen2Config, Qwen3Config
 
 from tasks.megatron import compat
@@ -231,8 +232,14 @@ def test_unmapped_hf_weights_raise():
 @pytest.mark.parametrize(("model_type", "tied"), [("qwen3", False), ("llama", True)])
 def test_save_megatron_as_hf_reloads_with_auto_model(mcore, tmp_path, model_type, tied):
     hf_model = tiny_hf_model(model_type, tied=tied)
-    out = save_megatron_as_hf(megatron_from_hf(hf_model), hf_model.config, tmp_path / "hf")
-    reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    written = save_megatron_as_hf(megatron_from_hf(hf_model), hf_model.config, tmp_path / "hf")
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    # what it returns is what it wrote, in copies of their own
+    stored = load_file(tmp_path / "hf" / "model.safetensors")
+    assert written.keys() == stored.keys()
+    assert all(torch.equal(written[k], stored[k]) for k in stored)
+    pointers = [t.untyped_storage().data_ptr() for t in written.values()]
+    assert len(set(pointers)) == len(pointers)
     assert reloaded.config.architectures == [type(hf_model).__name__]
     ids, _ = batch()
     with torch.no_grad():

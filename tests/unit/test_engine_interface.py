@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from tasks.engines.base import Generation, RolloutEngine, SamplingParams
@@ -21,7 +23,7 @@ class Recorder(RolloutEngine):
         self.calls.append((prompts, params, progress))
         return [[] for _ in prompts]
 
-    def load_weights(self, checkpoint_dir: str) -> None:
+    def load_weights(self, checkpoint_dir: str, *, weights: Any = None) -> None:
         raise NotImplementedError
 
     @property

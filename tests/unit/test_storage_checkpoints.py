@@ -116,6 +116,52 @@ def test_an_adopted_upload_folder_is_the_cached_copy_and_still_checked(
     assert (again / "hf" / "model.safetensors").read_bytes() == expected["hf/model.safetensors"]
 
 
+def test_a_process_hashes_a_cached_file_once_until_the_file_changes(
+    layout: RunLayout, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import os
+
+    from storage import cache
+    from storage.cache import adopt_into_cache, forget_hashes
+
+    hashed: list[str] = []
+
+    def counting(path: object) -> str:
+        hashed.append(str(path))
+        return sha256_local_file(path)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(cache, "sha256_local_file", counting)
+    forget_hashes()
+    source = _megatron_like(tmp_path / "ckpt")
+    manifest = upload_checkpoint(source, layout, 0, "policy", parent=None)
+    local = download_checkpoint(layout, 0, "policy", cache_dir=tmp_path / "cache")
+    hashed.clear()
+    for _ in range(3):  # verified as it arrived: reused without reading a byte
+        assert download_checkpoint(layout, 0, "policy", cache_dir=tmp_path / "cache") == local
+    assert hashed == []
+    # an upload moved into the cache was hashed as it was uploaded
+    second = upload_checkpoint(_megatron_like(tmp_path / "scratch" / "ckpt", seed=1), layout, 1, "policy", parent=None)
+    adopt_into_cache(tmp_path / "scratch" / "ckpt", second, cache_dir=tmp_path / "cache")
+    download_checkpoint(layout, 1, "policy", cache_dir=tmp_path / "cache")
+    assert hashed == []
+    # a write changes the file's modification time: hashed again, found damaged, downloaded again
+    weights = local / "hf" / "model.safetensors"
+    original = weights.read_bytes()
+    weights.write_bytes(bytes([original[0] ^ 0xFF]) + original[1:])
+    again = download_checkpoint(layout, 0, "policy", cache_dir=tmp_path / "cache")
+    assert str(weights) in hashed and (again / "hf" / "model.safetensors").read_bytes() == original
+    # a file damaged behind the process's back with its identity restored (same inode, size and
+    # modification time) is what this process trusts; a new process reads every file once
+    stat = weights.stat()
+    with open(weights, "r+b") as f:
+        f.write(bytes([original[0] ^ 0xFF]))
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    forget_hashes()
+    fresh = download_checkpoint(layout, 0, "policy", cache_dir=tmp_path / "cache")
+    assert (fresh / "hf" / "model.safetensors").read_bytes() == original
+    assert manifest.sha256 == fresh.name
+
+
 def test_adopting_keeps_the_cache_within_its_bound(layout: RunLayout, tmp_path: Path) -> None:
     """The train stage adopts two checkpoints an iteration: without the bound a long run (or runs
     side by side sharing a cache) fills the disk however small `storage.cache_max_gb` is."""

@@ -101,9 +101,10 @@ def test_the_ema_teacher_of_a_bf16_policy_moves_because_it_is_kept_in_float32(tm
         policy = tmp_path / f"policy-{step}"
         policy.mkdir()
         (policy / "config.json").write_text("{}")
-        save_file({"w": student.to(torch.bfloat16)}, str(policy / "model.safetensors"))
+        stored = {"w": student.to(torch.bfloat16)}
+        save_file(stored, str(policy / "model.safetensors"))
         out = tmp_path / f"teacher-{step + 1}"
-        weights = ema_teacher_folder(load_teacher_weights(previous), policy, out, rate=0.05)
+        weights = ema_teacher_folder(load_teacher_weights(previous), policy, out, rate=0.05, student=stored)
         assert torch.equal(weights["w"], load_file(str(out / "model.safetensors"))["w"])  # what was stored
         previous = out
     teacher = load_file(str(previous / "model.safetensors"))["w"]

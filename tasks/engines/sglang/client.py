@@ -16,7 +16,7 @@ import asyncio
 import logging
 import random
 import threading
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from typing import Any, TypeVar
 
 import httpx
@@ -93,8 +93,9 @@ class SGLangEngine(RolloutEngine):
     def urls(self) -> list[str]:
         return list(self._fleet.urls)
 
-    def load_weights(self, checkpoint_dir: str) -> None:
-        """Load an HF checkpoint into every server (waiting for restarted servers to be healthy)."""
+    def load_weights(self, checkpoint_dir: str, *, weights: Mapping[str, Any] | None = None) -> None:
+        """Load an HF checkpoint into every server (waiting for restarted servers to be healthy); the
+        servers read the folder, so weights in this process's memory are not used."""
         self._run(self._fleet.wait_healthy(self._http, timeout_s=self._config.health_timeout_s, router=False))
         self._run(self._weights.sync(checkpoint_dir, force=True))
 
