@@ -14,105 +14,14 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from storage.manifest import Manifest
 from tasks.config import RunConfig
 from tasks.runtime import Run
 
 logger = logging.getLogger(__name__)
-
-# this process's HF scoring models by role ('teacher', 'reference'): (run URL, sha256 of the weights
-# file they hold, model); the next iteration copies its weights into the same model
-_SCORERS: dict[str, tuple[str, str, Any]] = {}
-# this process's Megatron scorer: ((run URL, tensor parallel, fused kernels), sha256 of the teacher's
-# weights file, of the reference's or None, scorer)
-_MEGATRON: list[tuple[tuple[str, int, bool], str, str | None, Any]] = []
-
-
-def _stored_weights(folder: Path, manifest: Manifest) -> Any:
-    """A context giving the checkpoint's weights: the copy this process kept, else its file."""
-    import contextlib
-
-    from safetensors.torch import load_file
-
-    from tasks import kept_weights
-
-    @contextlib.contextmanager
-    def weights() -> Any:
-        with kept_weights.borrowed(str(manifest["checkpoint"]), manifest) as kept:
-            yield kept if kept is not None else load_file(str(folder / kept_weights.WEIGHTS_FILE))
-
-    return weights()
-
-
-def megatron_scorer(run: Run, teacher: tuple[Path, Manifest], reference: tuple[Path, Manifest] | None) -> Any:
-    """A `MegatronTeacherScorer` holding the teacher checkpoint (folder, manifest) and the
-    trust-region reference if any: this process's scorer with the new weights copied in, or built
-    from the folders (bf16 on a GPU, float32 on the CPU)."""
-    import torch
-    from transformers import AutoConfig
-
-    from tasks import kept_weights
-    from tasks.megatron.convert import load_hf_state_into_megatron
-    from tasks.megatron.parallel import init_parallel
-    from tasks.megatron.scorer import MegatronTeacherScorer
-
-    cfg = run.cfg
-    key = (run.url, cfg.train.tensor_parallel, cfg.train.fused_kernels)
-    digests = (
-        kept_weights.weights_digest(teacher[1]),
-        None if reference is None else kept_weights.weights_digest(reference[1]),
-    )
-    entry = _MEGATRON.pop() if _MEGATRON else None  # back below once it holds these weights
-    if entry is None or entry[0] != key or (entry[2] is None) != (reference is None):
-        scorer = MegatronTeacherScorer.from_hf(
-            teacher[0],
-            tensor_parallel=cfg.train.tensor_parallel,
-            dtype=torch.bfloat16 if torch.cuda.is_available() else torch.float32,
-            seed=cfg.seed,
-            reference_dir=None if reference is None else reference[0],
-            fused_kernels=cfg.train.fused_kernels,
-        )
-    else:
-        scorer = entry[3]
-        # the CPU compatibility patches are per thread; a stage may run on a new worker thread
-        init_parallel(tensor_parallel=cfg.train.tensor_parallel, seed=cfg.seed)
-        hf_config = AutoConfig.from_pretrained(str(teacher[0]))
-        for (folder, manifest), model, had, wants in (
-            (teacher, scorer.model, entry[1], digests[0]),
-            *([(reference, scorer.reference, entry[2], digests[1])] if reference is not None else []),
-        ):
-            if had != wants:
-                with _stored_weights(folder, manifest) as weights:
-                    load_hf_state_into_megatron(model, weights, hf_config, source=str(folder))
-    _MEGATRON.append((key, digests[0], digests[1], scorer))
-    return scorer
-
-
-def scoring_model(run: Run, role: str, folder: Path, manifest: Manifest) -> Any:
-    """An HF model (float32, eval) holding the weights of the checkpoint `manifest` names, stored in
-    `folder`: this process's model of that role with the weights copied in (from memory when the
-    train stage of this process kept them, else from the folder), or built from the folder."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from tasks import kept_weights
-
-    digest = kept_weights.weights_digest(manifest)
-    entry = _SCORERS.pop(role, None)  # back below once its weights are those of `manifest`
-    if entry is None or entry[0] != run.url:
-        model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
-    else:
-        model = entry[2]
-        if entry[1] != digest:
-            with _stored_weights(folder, manifest) as weights:
-                kept_weights.load_into(model, weights)
-    _SCORERS[role] = (run.url, digest, model)
-    return model
 
 
 def feedback_policy(cfg: RunConfig) -> Any:
@@ -176,6 +85,7 @@ def run_teacher(root: str, run_name: str, iteration: int) -> dict | None:
     from storage.manifest import read_stage_manifest, stage_done
     from storage.shard_reader import read_stage_columns
     from storage.shard_writer import write_stage
+    from tasks import scoring_models
     from tasks.engines.scorer import score_teacher
     from tasks.rollout import render_prompt_ids
     from tasks.runtime import open_run, teacher_checkpoint, teacher_source
@@ -229,7 +139,7 @@ def run_teacher(root: str, run_name: str, iteration: int) -> dict | None:
             from tasks.megatron.scorer import score_teacher_megatron
 
             scored = score_teacher_megatron(
-                megatron_scorer(
+                scoring_models.megatron_scorer(
                     run,
                     (teacher_dir, teacher_manifest),
                     None if reference_dir is None else (reference_dir, base_manifest),
@@ -240,10 +150,10 @@ def run_teacher(root: str, run_name: str, iteration: int) -> dict | None:
                 trust_region_rate=rate,
             )
         else:
-            model = scoring_model(run, "teacher", teacher_dir, teacher_manifest)
+            model = scoring_models.hf_scorer(run, "teacher", teacher_dir, teacher_manifest)
             reference = None
             if reference_dir is not None:
-                reference = scoring_model(run, "reference", reference_dir, base_manifest)
+                reference = scoring_models.hf_scorer(run, "reference", reference_dir, base_manifest)
             scored = score_teacher(
                 model,
                 sequences=sequences,

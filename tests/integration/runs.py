@@ -40,13 +40,12 @@ TINY: dict[str, Any] = {
 def forget_process_state() -> None:
     """Drop what a new process would not have: the trainer, the rollout engines, the teacher's
     scoring models, and the weights and tokenizers kept between stages."""
-    from tasks import kept_weights, rollout, teacher, tokenizers
+    from tasks import kept_weights, rollout, scoring_models, tokenizers
     from tasks.megatron import resume
 
     resume._TRAINERS.clear()
     rollout._ENGINES.clear()
-    teacher._SCORERS.clear()
-    teacher._MEGATRON.clear()
+    scoring_models.forget()
     kept_weights.forget()
     tokenizers.forget()
 
