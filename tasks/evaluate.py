@@ -134,7 +134,7 @@ def run_evaluation(root: str, run_name: str, iteration: int) -> dict[str, float]
     from storage.checkpoints import resolve_checkpoint
     from storage.faults import crash_point
     from storage.stages import read_eval, write_eval
-    from tasks.runtime import checkpoint_dir, open_run, teacher_checkpoint, teacher_source
+    from tasks.runtime import checkpoint_dir, open_run, teacher_checkpoint
 
     run = open_run(root, run_name)
     cached = read_eval(run.layout, iteration)
@@ -145,9 +145,8 @@ def run_evaluation(root: str, run_name: str, iteration: int) -> dict[str, float]
     metrics = evaluate_checkpoint(run, checkpoint_dir(run, iteration, "policy"), policy=policy)
     # The teacher that scores the next iteration, shown the reference answer as a peer solution:
     # SDPO can only distil what this teacher knows (trust-region mixing is not applied here).
-    teacher_dir, _ = teacher_source(run, iteration + 1)
     n, kind = teacher_checkpoint(run, iteration + 1)
     teacher = resolve_checkpoint(run.layout, f"iter-{n}", kind)
-    metrics["eval/teacher_accuracy"] = teacher_accuracy(run, teacher_dir, teacher=teacher)
+    metrics["eval/teacher_accuracy"] = teacher_accuracy(run, checkpoint_dir(run, n, kind), teacher=teacher)
     write_eval(run.layout, iteration, metrics)
     return metrics

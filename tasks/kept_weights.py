@@ -38,36 +38,36 @@ def weights_digest(manifest: Mapping[str, Any]) -> str:
     return str(digests[0])
 
 
-def _check_kind(kind: str) -> None:
+def _kind_and_digest(manifest: Mapping[str, Any]) -> tuple[str, str]:
+    """(checkpoint kind, sha256 of its weights file) of a checkpoint manifest."""
+    kind = str(manifest["checkpoint"])
     if kind not in KINDS:
-        raise ValueError(f"kept weights are of kind {KINDS}, got {kind!r}")
+        raise ValueError(f"kept weights are of kind {KINDS}, got a {kind!r} checkpoint")
+    return kind, weights_digest(manifest)
 
 
-def keep(kind: str, manifest: Mapping[str, Any], weights: dict[str, Any]) -> None:
-    """Keep `weights`, the tensors whose stored file `manifest` names, for the next stages of this
-    process. The caller hands them over: nothing may change them afterwards."""
-    _check_kind(kind)
-    digest = weights_digest(manifest)
+def keep(manifest: Mapping[str, Any], weights: dict[str, Any]) -> None:
+    """Keep `weights`, the tensors whose stored file the checkpoint `manifest` names, for the next
+    stages of this process. The caller hands them over: nothing may change them afterwards."""
+    kind, digest = _kind_and_digest(manifest)
     with _LOCK:
         _KEPT[kind] = (digest, weights)
     logger.debug("keeping the %s weights %s in memory", kind, digest[:12])
 
 
 @contextlib.contextmanager
-def borrowed(kind: str, manifest: Mapping[str, Any]) -> Iterator[dict[str, Any] | None]:
+def borrowed(manifest: Mapping[str, Any]) -> Iterator[dict[str, Any] | None]:
     """The kept weights of the checkpoint `manifest` names, or None; copy them inside the block."""
-    _check_kind(kind)
-    digest = weights_digest(manifest)
+    kind, digest = _kind_and_digest(manifest)
     with _LOCK:
         entry = _KEPT.get(kind)
         yield entry[1] if entry is not None and entry[0] == digest else None
 
 
-def take(kind: str, manifest: Mapping[str, Any]) -> dict[str, Any] | None:
+def take(manifest: Mapping[str, Any]) -> dict[str, Any] | None:
     """Remove and return the kept weights of the checkpoint `manifest` names (None if not kept):
     the caller may then change them."""
-    _check_kind(kind)
-    digest = weights_digest(manifest)
+    kind, digest = _kind_and_digest(manifest)
     with _LOCK:
         entry = _KEPT.get(kind)
         if entry is None or entry[0] != digest:
@@ -86,18 +86,13 @@ def load_into(model: Any, weights: Mapping[str, Any]) -> None:
     """Copy a checkpoint's tensors into an HF model of its architecture (cast to the model's dtype
     and device, as `from_pretrained` would); the names must match the model's, tied weights aside."""
     missing, unexpected = model.load_state_dict(weights, strict=False)
-    tied = {name for name in missing if _is_tied(model, name)}
-    if unexpected or set(missing) - tied:
-        raise ValueError(
-            f"weights do not fit {type(model).__name__}: missing {sorted(set(missing) - tied)[:5]}, "
-            f"unexpected {sorted(unexpected)[:5]}"
-        )
-
-
-def _is_tied(model: Any, name: str) -> bool:
-    """Whether parameter `name` shares its storage with a parameter under another name."""
+    # a tied parameter shares its storage with a parameter under another name, loaded through that one
+    pointers: dict[int, int] = {}
     params = dict(model.named_parameters(remove_duplicate=False))
-    if name not in params:
-        return False
-    pointer = params[name].data_ptr()
-    return any(other != name and p.data_ptr() == pointer for other, p in params.items())
+    for param in params.values():
+        pointers[param.data_ptr()] = pointers.get(param.data_ptr(), 0) + 1
+    untied = sorted(name for name in missing if name not in params or pointers[params[name].data_ptr()] < 2)
+    if unexpected or untied:
+        raise ValueError(
+            f"weights do not fit {type(model).__name__}: missing {untied[:5]}, unexpected {sorted(unexpected)[:5]}"
+        )

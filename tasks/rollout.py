@@ -58,7 +58,7 @@ def get_engine(rollout: RolloutConfig, policy_dir: Path, *, cache_key: str, poli
     elif policy is None:
         engine.load_weights(str(policy_dir))
     else:
-        with kept_weights.borrowed(str(policy["checkpoint"]), policy) as weights:
+        with kept_weights.borrowed(policy) as weights:
             engine.load_weights(str(policy_dir), weights=weights)
     return engine
 

@@ -32,7 +32,7 @@ def _stored_weights(folder: Path, manifest: Manifest) -> Iterator[Any]:
 
     from tasks import kept_weights
 
-    with kept_weights.borrowed(str(manifest["checkpoint"]), manifest) as kept:
+    with kept_weights.borrowed(manifest) as kept:
         yield kept if kept is not None else load_file(str(folder / kept_weights.WEIGHTS_FILE))
 
 

@@ -41,7 +41,7 @@ def _previous_teacher(run: Run, iteration: int) -> dict[str, Any]:
 
     n, kind = ema_teacher_checkpoint(iteration)
     if kind == "teacher":  # the first update starts from the base policy, read from the store
-        kept = kept_weights.take("teacher", resolve_checkpoint(run.layout, f"iter-{n}", kind))
+        kept = kept_weights.take(resolve_checkpoint(run.layout, f"iter-{n}", kind))
         if kept is not None:
             logger.info("EMA teacher of iteration %d: starting from the copy in memory", iteration)
             return kept
@@ -176,7 +176,7 @@ def run_train(root: str, run_name: str, iteration: int) -> dict | None:
             teacher_dir = tmp_path / "teacher"
             teacher = update_teacher(run, iteration, policy_dir, teacher_dir, policy=policy)
             policy_manifest = policy_upload.result()
-            kept_weights.keep("policy", policy_manifest, policy)  # for the next stages of this process
+            kept_weights.keep(policy_manifest, policy)  # for the next stages of this process
             produced.append(policy_manifest)
             uploaded.append((policy_dir, policy_manifest))
             if teacher is not None:
@@ -201,7 +201,7 @@ def run_train(root: str, run_name: str, iteration: int) -> dict | None:
             metrics["train/megatron_save_seconds"] = time.perf_counter() - save_started
         if teacher_upload is not None:
             teacher_manifest = teacher_upload.result()
-            kept_weights.keep("teacher", teacher_manifest, teacher)
+            kept_weights.keep(teacher_manifest, teacher)
             produced.append(teacher_manifest)
             uploaded.append((teacher_dir, teacher_manifest))
         if full_state and rank == 0:

@@ -92,24 +92,27 @@ def test_kept_weights_are_found_only_under_the_digest_they_were_stored_with():
     from tasks import kept_weights
 
     kept_weights.forget()
-    stored = {"files": [{"name": "config.json", "sha256": "c"}, {"name": "model.safetensors", "sha256": "a" * 64}]}
-    other = {"files": [{"name": "model.safetensors", "sha256": "b" * 64}]}
+    stored = {
+        "checkpoint": "policy",
+        "files": [{"name": "config.json", "sha256": "c"}, {"name": "model.safetensors", "sha256": "a" * 64}],
+    }
+    other = {"checkpoint": "policy", "files": [{"name": "model.safetensors", "sha256": "b" * 64}]}
     weights = {"w": torch.ones(2)}
-    kept_weights.keep("policy", stored, weights)
-    with kept_weights.borrowed("policy", other) as found:
+    kept_weights.keep(stored, weights)
+    with kept_weights.borrowed(other) as found:
         assert found is None  # another checkpoint's weights file
-    with kept_weights.borrowed("teacher", stored) as found:
+    with kept_weights.borrowed({**stored, "checkpoint": "teacher"}) as found:
         assert found is None  # kinds are kept apart
-    with kept_weights.borrowed("policy", stored) as found:
+    with kept_weights.borrowed(stored) as found:
         assert found is weights
-    assert kept_weights.take("policy", other) is None
-    assert kept_weights.take("policy", stored) is weights
-    with kept_weights.borrowed("policy", stored) as found:
+    assert kept_weights.take(other) is None
+    assert kept_weights.take(stored) is weights
+    with kept_weights.borrowed(stored) as found:
         assert found is None  # taken out: the taker may change it
     with pytest.raises(ValueError, match="kind"):
-        kept_weights.keep("megatron", stored, weights)
+        kept_weights.keep({**stored, "checkpoint": "megatron"}, weights)
     with pytest.raises(ValueError, match="0 model.safetensors entries"):
-        kept_weights.keep("policy", {"files": [{"name": "config.json", "sha256": "c"}]}, weights)
+        kept_weights.keep({"checkpoint": "policy", "files": [{"name": "config.json", "sha256": "c"}]}, weights)
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -117,19 +120,13 @@ def test_weights_copied_into_a_model_equal_a_fresh_load(tmp_path, tied):
     """`load_into` gives the model `from_pretrained` would build from the same file, tied or not."""
     import torch
     from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import AutoModelForCausalLM
 
     from tasks.kept_weights import load_into
+    from tests.synthetic import tiny_qwen3_config
 
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=tied,
-    )
+    config = tiny_qwen3_config(64)
+    config.tie_word_embeddings = tied
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "a")
     torch.manual_seed(1)
