@@ -139,8 +139,8 @@ def complete_iteration(
 
     Returns (the step's metrics, whether this call trained the iteration). Everything is read back
     from the store, so a call after a crash finishes what the crashed process left undone. An
-    iteration trained or first logged by this call also gets its status line, its sample table in
-    MLflow and its Prefect artifacts.
+    iteration trained or first logged by this call, or whose sample table MLflow does not have yet,
+    also gets its status line, its sample table in MLflow and its Prefect artifacts.
     """
     from flows.artifacts import publish_iteration
     from storage.manifest import read_iteration_manifest, read_latest
@@ -165,7 +165,8 @@ def complete_iteration(
         evaluated = read_eval(run.layout, n)
         metrics.update(evaluated if evaluated is not None else stages.evaluate(root, name, n, launch["eval"]))
     logged = tracker.log_step(n, metrics)
-    if n > 0 and (ran or logged):
+    # a kill after the step's metrics and before its sample table leaves the table to this call
+    if n > 0 and (ran or logged or not tracker.has_samples(n)):
         logger.info("%s: %s", name, describe_iteration(n, cfg.iterations, metrics))
         samples = sample_table(run, n)
         tracker.log_samples(n, samples)

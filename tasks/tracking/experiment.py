@@ -18,6 +18,7 @@ every step appears exactly once however often the run was killed and resumed.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import time
 from collections.abc import Iterator
@@ -35,6 +36,7 @@ FORKED_AT_TAG = "sdpo.forked_from_iteration"
 STEP_MARKER = "tracking/step"  # logged last in each step's batch: the step is in MLflow
 CHANGES_TAG = "sdpo.config_changes"  # how many accepted config changes are recorded as tags
 _BATCH_LIMIT = 1000  # MLflow's limit on metrics per log_batch
+SAMPLES_DIR = "samples"  # the MLflow run's folder of per-step sample tables
 _SOURCE = Path(__file__).resolve().parents[2]  # the checkout (or installed tree) the code runs from
 
 
@@ -58,6 +60,26 @@ def source_tags() -> dict[str, str]:
     }
     tags.update({k: v for k, v in found.items() if v})
     return tags
+
+
+def samples_file(step: int) -> str:
+    """Where step `step`'s sample table lies among the MLflow run's artifacts."""
+    return f"{SAMPLES_DIR}/iter-{step:04d}.json"
+
+
+def tables_tag(files: list[str]) -> str:
+    """The `mlflow.loggedArtifacts` tag for these table files (oldest first): as many of the newest
+    as fit in the characters MLflow keeps of a tag value (8,000), in `mlflow.log_table`'s format.
+    Every table stays among the run's artifacts, where `MlflowClient.load_table` reads any of them
+    by name; the tag decides only which ones the UI lists (those of about the last 147 steps)."""
+    from mlflow.utils.validation import MAX_TAG_VAL_LENGTH as limit
+
+    entries: list[dict[str, str]] = []
+    for path in reversed(files):
+        if len(json.dumps([{"path": path, "type": "table"}, *entries])) > limit:
+            break
+        entries.insert(0, {"path": path, "type": "table"})
+    return json.dumps(entries)
 
 
 def tracking_uri(cfg: RunConfig, *, local_root_dir: Path | None) -> str:
@@ -120,6 +142,7 @@ class Tracker:
         self.set_tags({VIEW_TAG: view_command(cfg.name, cfg.storage.root)})  # how to browse its samples
         history = self.client.get_metric_history(self.run_id, STEP_MARKER)
         self.logged_steps: set[int] = {int(m.step) for m in history}
+        self._list_samples()
 
     def log_params(self, params: dict[str, Any]) -> None:
         """Log the params MLflow does not have yet. MLflow params are immutable: a param whose value
@@ -152,16 +175,55 @@ class Tracker:
         crash_point("tracking.logged", step)
         return True
 
+    def _list_samples(self) -> None:
+        """Learn which steps have their sample table, and mend the tag that lists the tables."""
+        from mlflow.utils.mlflow_tags import MLFLOW_LOGGED_ARTIFACTS
+
+        listed = self.client.list_artifacts(self.run_id, SAMPLES_DIR)
+        self.sample_files = {a.path for a in listed if not a.is_dir}
+        self._list_tables(self.client.get_run(self.run_id).data.tags.get(MLFLOW_LOGGED_ARTIFACTS))
+
+    def _list_tables(self, current: str | None) -> None:
+        """Set the run's `mlflow.loggedArtifacts` tag, by which MLflow's UI finds its tables, to the
+        newest sample tables that fit in a tag value (`tables_tag`); `current` is its value now."""
+        from mlflow.utils.mlflow_tags import MLFLOW_LOGGED_ARTIFACTS
+
+        value = tables_tag(sorted(self.sample_files))
+        if value != current:
+            self.client.set_tag(self.run_id, MLFLOW_LOGGED_ARTIFACTS, value)
+
+    def has_samples(self, step: int) -> bool:
+        """Whether step `step`'s sample table is in MLflow (always, with tracking off)."""
+        return not self.enabled or samples_file(step) in self.sample_files
+
     def log_samples(self, step: int, rows: list[dict[str, Any]]) -> None:
         """Step `step`'s sample table (prompt, response, reward, feedback, teacher context) as an MLflow
-        table, `samples/iter-<step>.json`, which the UI's evaluation view can compare across runs."""
-        import mlflow
+        table, `samples/iter-<step>.json`, which the UI's evaluation view can compare across runs.
 
-        if not self.enabled or not rows:
+        The file is what `mlflow.log_table` writes for a new table (a pandas frame as
+        split-oriented JSON), and the run's `mlflow.loggedArtifacts` tag lists it, as `log_table`
+        does. `log_table` itself is not used, for two reasons:
+        - it appends its entry to that tag, whose value MLflow cuts at 8,000 characters, so the
+          152nd table of a run leaves the tag as broken JSON and every later `log_table` on the run
+          raises; here the tag lists the newest tables that fit (`tables_tag`);
+        - it lists the run's artifacts and reads the run back on every call, so that it can append
+          to a table of the same name: 26-39 ms of every iteration on a local store, more than the
+          step's metrics. A step's table is written whole, once, and the tag is set with it.
+        A step whose table is stored is skipped; a kill between the file and the tag is mended when
+        the next tracker opens. `tests/unit/test_tracking.py` checks the file and the tag against
+        `mlflow.log_table`'s.
+        """
+        import pandas as pd
+
+        if not self.enabled or not rows or self.has_samples(step):
             return
         columns = {key: [row[key] for row in rows] for key in rows[0]}
         columns["iteration"] = [step] * len(rows)
-        mlflow.log_table(columns, artifact_file=f"samples/iter-{step:04d}.json", run_id=self.run_id)
+        text = pd.DataFrame(columns).to_json(orient="split", index=False, date_format="iso")
+        self.client.log_text(self.run_id, text, samples_file(step))
+        previous = tables_tag(sorted(self.sample_files))
+        self.sample_files.add(samples_file(step))
+        self._list_tables(previous)
 
     def record_config_changes(self, changes: list[dict[str, Any]]) -> None:
         """Tag each accepted config change (`config_changes.jsonl` entries) once, with its diff:

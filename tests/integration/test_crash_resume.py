@@ -6,11 +6,12 @@ Each chain below is one run killed (SIGKILL of its whole process group, from
 command again, until a last run finishes it. The chain passes when every armed point was reached
 (the process died by SIGKILL), the final run exited 0, and the run is indistinguishable from the
 uninterrupted reference: LATEST, every committed file's sha256, the final policy, the file set,
-the lineage, and MLflow holding each step exactly once; and no temporary file is left.
+the lineage, and MLflow holding each step and each sample table exactly once; and no temporary file is left.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -95,7 +96,14 @@ def mlflow_steps(db: Path) -> dict[str, list[int]]:
     runs = client.search_runs([client.get_experiment_by_name("sdpo").experiment_id])
     assert len(runs) == 1, f"{len(runs)} MLflow runs for one SDPO run"
     keys = ("tracking/step", "rollout/reward_mean", "train/loss_sdpo", "eval/greedy_accuracy")
-    return {k: [m.step for m in client.get_metric_history(runs[0].info.run_id, k)] for k in keys}
+    steps = {k: [m.step for m in client.get_metric_history(runs[0].info.run_id, k)] for k in keys}
+    # every iteration's sample table once: listed by the run's tag, present among its artifacts
+    listed = json.loads(runs[0].data.tags.get("mlflow.loggedArtifacts", "[]"))
+    stored = sorted(a.path for a in client.list_artifacts(runs[0].info.run_id, "samples"))
+    steps["sample tables"] = (
+        [int(t["path"][-9:-5]) for t in listed] if stored == [t["path"] for t in listed] else stored
+    )
+    return steps
 
 
 EXPECTED_STEPS = {
@@ -103,6 +111,7 @@ EXPECTED_STEPS = {
     "rollout/reward_mean": [1, 2, 3],
     "train/loss_sdpo": [1, 2, 3],
     "eval/greedy_accuracy": EVAL_STEPS,
+    "sample tables": [1, 2, 3],
 }
 
 

@@ -93,3 +93,77 @@ def test_iteration_markdown_has_metrics_coverage_stage_times_and_links(tmp_path)
     assert "| `rollout/reward_mean` | 0.5 |" in text and "| train | 12.0 |" in text
     assert f"]({link})" in text and "iter-3/policy" in text
     assert mlflow_run_link(SimpleNamespace(enabled=True, ui_url=None)) is None
+
+
+def _rows(n: int) -> list[dict]:
+    return [
+        {"group_id": i // 2, "prompt": f"2+{i}=?", "response": 'é\n"x"', "reward": 0.5 * i, "sample_mask": i % 2 == 0}
+        for i in range(n)
+    ]
+
+
+def _download(run_id: str, path: str, dst: Path) -> bytes:
+    import mlflow
+
+    return Path(mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path=path, dst_path=str(dst))).read_bytes()
+
+
+def test_a_sample_table_is_what_mlflow_log_table_writes_and_is_written_once(tmp_path):
+    """The table file and the `mlflow.loggedArtifacts` tag equal those of `mlflow.log_table` for
+    the same rows; a step's table is written once, and a tracker opened later (a resumed run)
+    knows which steps have theirs."""
+    import mlflow
+    from mlflow.utils.mlflow_tags import MLFLOW_LOGGED_ARTIFACTS
+
+    root = tmp_path / "runs"
+    cfg = _cfg(tmp_path, name="t")
+    tracker = Tracker(cfg, f"file://{root}/t", local_root_dir=root)
+    rows = _rows(5)
+    assert not tracker.has_samples(1)
+    tracker.log_samples(1, rows)
+    tracker.log_samples(1, rows[:2])  # already there: neither appended to nor rewritten
+    tracker.log_samples(2, rows[:3])
+    theirs = tracker.client.create_run(tracker.experiment_id).info.run_id
+    for n, part in ((1, rows), (2, rows[:3])):
+        columns = {key: [row[key] for row in part] for key in part[0]} | {"iteration": [n] * len(part)}
+        mlflow.log_table(columns, artifact_file=f"samples/iter-{n:04d}.json", run_id=theirs)
+        path = f"samples/iter-{n:04d}.json"
+        assert _download(tracker.run_id, path, tmp_path / f"ours{n}") == _download(
+            theirs, path, tmp_path / f"theirs{n}"
+        )
+    tags = [tracker.client.get_run(r).data.tags[MLFLOW_LOGGED_ARTIFACTS] for r in (tracker.run_id, theirs)]
+    assert tags[0] == tags[1]
+    loaded = tracker.client.load_table(tracker.experiment_id, "samples/iter-0001.json", run_ids=[tracker.run_id])
+    assert list(loaded["prompt"]) == [r["prompt"] for r in rows]
+
+    resumed = Tracker(cfg, f"file://{root}/t", local_root_dir=root)
+    assert resumed.run_id == tracker.run_id
+    assert resumed.has_samples(1) and resumed.has_samples(2) and not resumed.has_samples(3)
+
+
+def test_a_long_run_keeps_every_sample_table_and_a_tag_mlflow_can_read(tmp_path):
+    """`mlflow.log_table` breaks the run's table tag at the 152nd table (MLflow cuts a tag value at
+    8,000 characters; the next call cannot parse it). Every table is stored; the tag stays valid
+    JSON and lists the newest; a table stored without its tag entry (a kill between the two) is
+    listed once a tracker opens the run again."""
+    import json
+
+    from mlflow.utils.mlflow_tags import MLFLOW_LOGGED_ARTIFACTS
+
+    root = tmp_path / "runs"
+    cfg = _cfg(tmp_path, name="long")
+    tracker = Tracker(cfg, f"file://{root}/long", local_root_dir=root)
+    for step in range(1, 201):
+        tracker.log_samples(step, _rows(1))
+    stored = {a.path for a in tracker.client.list_artifacts(tracker.run_id, "samples")}
+    assert stored == {f"samples/iter-{n:04d}.json" for n in range(1, 201)}
+    tag = tracker.client.get_run(tracker.run_id).data.tags[MLFLOW_LOGGED_ARTIFACTS]
+    listed = [t["path"] for t in json.loads(tag)]
+    assert len(tag) <= 8000 and len(listed) > 140
+    assert listed == [f"samples/iter-{n:04d}.json" for n in range(201 - len(listed), 201)]
+
+    tracker.client.log_text(tracker.run_id, "{}", "samples/iter-0201.json")  # the file, then a kill
+    resumed = Tracker(cfg, f"file://{root}/long", local_root_dir=root)
+    assert all(resumed.has_samples(n) for n in range(1, 202))
+    tag = json.loads(resumed.client.get_run(resumed.run_id).data.tags[MLFLOW_LOGGED_ARTIFACTS])
+    assert tag[-1] == {"path": "samples/iter-0201.json", "type": "table"}
