@@ -129,7 +129,7 @@ def run_teacher(root: str, run_name: str, iteration: int) -> dict | None:
         contexts, ctx_metrics = build_contexts(run, columns)
         metrics.update(ctx_metrics)
         teacher_messages = [list(c.messages) for c in contexts]
-        teacher_ids = [render_prompt_ids(tokenizer, msgs, cfg.model.chat_template_kwargs) for msgs in teacher_messages]
+        teacher_ids = render_prompt_ids(tokenizer, teacher_messages, cfg.model.chat_template_kwargs)
         sources = [c.source for c in contexts]
         masks = [bool(c.mask) for c in contexts]
         sequences = [(t, list(map(int, r))) for t, r in zip(teacher_ids, columns["response_ids"], strict=True)]

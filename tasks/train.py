@@ -127,6 +127,7 @@ def run_train(root: str, run_name: str, iteration: int) -> dict | None:
     from tasks.megatron.parallel import init_parallel
     from tasks.megatron.resume import get_trainer
     from tasks.runtime import cache_bound_bytes, checkpoint_dir, open_run
+    from tasks.tokenizers import checkpoint_tokenizer
 
     run = open_run(root, run_name)
     cfg = run.cfg
@@ -153,13 +154,17 @@ def run_train(root: str, run_name: str, iteration: int) -> dict | None:
     metrics["train/ranks"] = float(world)
     crash_point("train.trained", iteration)
 
-    base_dir = checkpoint_dir(run, iteration - 1, "policy")
+    previous = resolve_checkpoint(run.layout, iteration - 1, "policy")
+    # the policy's tokenizer files are the previous policy's, from the tokenizer this process keeps
+    tokenizer = checkpoint_tokenizer(checkpoint_dir(run, iteration - 1, "policy"), previous)
     # Rank 0 uploads each checkpoint on a thread of its own while the stage goes on: the policy
     # while the EMA teacher is computed, the teacher while the full state is saved. Each upload
     # writes its checkpoint manifest last, and the stage manifest waits for all of them.
     with _shared_scratch(cfg.storage.cache_dir, rank) as tmp_path, ThreadPoolExecutor(1, "upload") as uploads:
         policy_dir = tmp_path / "policy"
-        policy = trainer.save_hf(policy_dir, base_dir)  # collective; rank 0 writes and gets the tensors
+        clock = time.perf_counter()
+        policy = trainer.save_hf(policy_dir, tokenizer)  # collective; rank 0 writes and gets the tensors
+        metrics["train/export_seconds"], clock = time.perf_counter() - clock, time.perf_counter()
         produced = []
         uploaded: list[tuple[Path, Any]] = []  # (folder, its checkpoint manifest): weights the next stages load
         teacher_upload = None
@@ -170,12 +175,14 @@ def run_train(root: str, run_name: str, iteration: int) -> dict | None:
                 run.layout,
                 iteration,
                 "policy",
-                parent=resolve_checkpoint(run.layout, iteration - 1, "policy"),
+                parent=previous,
                 trained_on=[parent],
             )
             teacher_dir = tmp_path / "teacher"
             teacher = update_teacher(run, iteration, policy_dir, teacher_dir, policy=policy)
+            metrics["train/teacher_update_seconds"], clock = time.perf_counter() - clock, time.perf_counter()
             policy_manifest = policy_upload.result()
+            metrics["train/upload_wait_seconds"] = time.perf_counter() - clock
             kept_weights.keep(policy_manifest, policy)  # for the next stages of this process
             produced.append(policy_manifest)
             uploaded.append((policy_dir, policy_manifest))
@@ -200,7 +207,9 @@ def run_train(root: str, run_name: str, iteration: int) -> dict | None:
                 dist.barrier()
             metrics["train/megatron_save_seconds"] = time.perf_counter() - save_started
         if teacher_upload is not None:
+            clock = time.perf_counter()
             teacher_manifest = teacher_upload.result()
+            metrics["train/upload_wait_seconds"] += time.perf_counter() - clock
             kept_weights.keep(teacher_manifest, teacher)
             produced.append(teacher_manifest)
             uploaded.append((teacher_dir, teacher_manifest))

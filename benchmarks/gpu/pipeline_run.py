@@ -111,6 +111,8 @@ def read_run(root: str, name: str, *, tracking_uri: str) -> dict[str, Any]:
         row["train_outputs_s"] = round(
             metrics["train/stage_seconds"] - metrics["train/seconds"] - row["megatron_save_s"], 2
         )
+        for part in ("export", "teacher_update", "upload_wait"):  # the train stage's outputs, part by part
+            row[f"train_{part}_s"] = round(metrics.get(f"train/{part}_seconds", 0.0), 2)
         row["train_loss"] = metrics.get("train/loss")
         row["sample_mask_fraction"] = metrics.get("sdpo/sample_mask_fraction")
         iterations.append(row)

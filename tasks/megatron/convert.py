@@ -431,9 +431,10 @@ def load_hf_state_into_megatron(
 
 
 def save_megatron_as_hf(
-    model: GPTModel, hf_config: Any, out_dir: str | Path, *, tokenizer_dir: str | Path | None = None
+    model: GPTModel, hf_config: Any, out_dir: str | Path, *, tokenizer: Any | None = None
 ) -> dict[str, Tensor] | None:
-    """Write the model as an HF folder (config.json + model.safetensors [+ tokenizer files]).
+    """Write the model as an HF folder (config.json + model.safetensors [+ the files of `tokenizer`,
+    an HF tokenizer]).
 
     Collective over the tensor-parallel group; the rank with tp_rank == dp_rank == 0 writes and
     returns the tensors it wrote (HF names, on the CPU, sharing no storage with the model), the
@@ -462,10 +463,8 @@ def save_megatron_as_hf(
         config.dtype = dtypes.pop()
         config.save_pretrained(out)
         save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
-        if tokenizer_dir is not None:
-            from transformers import AutoTokenizer
-
-            AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(out)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(out)
         logger.info("saved HF model (%d tensors, tp=%d) to %s", len(tensors), len(states), out)
     if dist.is_initialized():
         dist.barrier()

@@ -58,14 +58,16 @@ def check_replay(run: Run, trainer: MegatronTrainer, iteration: int) -> None:
     """Fail when replaying `iteration` did not reproduce the policy weights it committed."""
     import torch
 
-    from storage.checkpoints import read_checkpoint_manifest
+    from storage.checkpoints import read_checkpoint_manifest, resolve_checkpoint
     from storage.objects import sha256_local_file
     from storage.scratch import scratch_dir
     from tasks.runtime import checkpoint_dir
+    from tasks.tokenizers import checkpoint_tokenizer
 
     stored = {e["name"]: e["sha256"] for e in read_checkpoint_manifest(run.layout, iteration, "policy").data["files"]}
     with scratch_dir(run.cfg.storage.cache_dir, "replay") as tmp:
-        trainer.save_hf(tmp, checkpoint_dir(run, 0, "policy"))  # collective; rank 0 writes (tokenizer: the base's)
+        base = checkpoint_tokenizer(checkpoint_dir(run, 0, "policy"), resolve_checkpoint(run.layout, 0, "policy"))
+        trainer.save_hf(tmp, base)  # collective; rank 0 writes
         if torch.distributed.get_rank() != 0:
             return
         replayed = sha256_local_file(tmp / "model.safetensors")

@@ -252,11 +252,12 @@ class MegatronTrainer:
 
     # -- persistence ---------------------------------------------------------------------------
 
-    def save_hf(self, out_dir: Path, tokenizer_dir: Path) -> dict[str, Any] | None:
-        """Write the policy as an HF folder (collective); the writing rank gets the tensors it wrote."""
+    def save_hf(self, out_dir: Path, tokenizer: Any) -> dict[str, Any] | None:
+        """Write the policy as an HF folder with `tokenizer`'s files (collective); the writing rank
+        gets the tensors it wrote."""
         from tasks.megatron.convert import save_megatron_as_hf
 
-        return save_megatron_as_hf(self.model.module, self.hf_config, str(out_dir), tokenizer_dir=str(tokenizer_dir))
+        return save_megatron_as_hf(self.model.module, self.hf_config, str(out_dir), tokenizer=tokenizer)
 
     def save_megatron(self, out_dir: Path, *, iteration: int) -> None:
         """The full training state after `iteration`: weights (fp32 master copies included), Adam's

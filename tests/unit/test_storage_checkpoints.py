@@ -191,9 +191,12 @@ def test_a_folder_that_is_not_the_upload_is_not_adopted(layout: RunLayout, tmp_p
         adopt_into_cache(source, manifest, cache_dir=tmp_path / "cache")
 
 
-def test_uploads_and_downloads_return_the_digest_of_the_bytes_they_moved(layout: RunLayout, tmp_path: Path) -> None:
+@pytest.mark.parametrize("size", [0, 3 * 2**20 + 17, 8 * 2**20, 2 * 8 * 2**20 + 5])  # one chunk is 8 MiB
+def test_uploads_and_downloads_return_the_digest_of_the_bytes_they_moved(
+    layout: RunLayout, tmp_path: Path, size: int
+) -> None:
     local = tmp_path / "blob.bin"
-    local.write_bytes(np.random.default_rng(1).bytes(3 * 2**20 + 17))
+    local.write_bytes(np.random.default_rng(size).bytes(size))
     url = layout.url("blobs/blob.bin")
     assert layout.store.put_local_file(local, url) == sha256_local_file(local)
     copied = layout.store.get_to_local(url, tmp_path / "back.bin")

@@ -13,6 +13,7 @@ from pathlib import Path
 
 def main() -> None:
     import torch.distributed as dist
+    from transformers import AutoTokenizer
 
     from tasks.config import build_config
     from tasks.megatron.trainer import MegatronTrainer
@@ -31,7 +32,7 @@ def main() -> None:
     )
     trainer = MegatronTrainer(cfg, hf_dir)
     metrics = trainer.train_iteration(columns, iteration=1)
-    trainer.save_hf(out_dir / "hf", hf_dir)
+    trainer.save_hf(out_dir / "hf", AutoTokenizer.from_pretrained(hf_dir))
     if dist.get_rank() == 0:
         (out_dir / "metrics.json").write_text(json.dumps(metrics))
 
