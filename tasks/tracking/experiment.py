@@ -21,7 +21,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -67,19 +67,23 @@ def samples_file(step: int) -> str:
     return f"{SAMPLES_DIR}/iter-{step:04d}.json"
 
 
-def tables_tag(files: list[str]) -> str:
-    """The `mlflow.loggedArtifacts` tag for these table files (oldest first): as many of the newest
-    as fit in the characters MLflow keeps of a tag value (8,000), in `mlflow.log_table`'s format.
-    Every table stays among the run's artifacts, where `MlflowClient.load_table` reads any of them
-    by name; the tag decides only which ones the UI lists (those of about the last 147 steps)."""
-    from mlflow.utils.validation import MAX_TAG_VAL_LENGTH as limit
+def tables_tag(files: Iterable[str]) -> str:
+    """The `mlflow.loggedArtifacts` tag for these sample table files: as many of the newest as fit
+    in the characters MLflow keeps of a tag value (8,000), oldest first, in `mlflow.log_table`'s
+    format. Every table stays among the run's artifacts, where `MlflowClient.load_table` reads any
+    of them by name; the tag decides only which ones the UI lists (those of about the last 147
+    steps)."""
+    from mlflow.utils.validation import MAX_TAG_VAL_LENGTH
 
     entries: list[dict[str, str]] = []
-    for path in reversed(files):
-        if len(json.dumps([{"path": path, "type": "table"}, *entries])) > limit:
+    length = len("[]")
+    for path in sorted(files, key=lambda p: (len(p), p), reverse=True):  # iter-10000 after iter-9999
+        entry = {"path": path, "type": "table"}
+        length += len(json.dumps(entry)) + (len(", ") if entries else 0)
+        if length > MAX_TAG_VAL_LENGTH:
             break
-        entries.insert(0, {"path": path, "type": "table"})
-    return json.dumps(entries)
+        entries.append(entry)
+    return json.dumps(entries[::-1])
 
 
 def tracking_uri(cfg: RunConfig, *, local_root_dir: Path | None) -> str:
@@ -188,7 +192,7 @@ class Tracker:
         newest sample tables that fit in a tag value (`tables_tag`); `current` is its value now."""
         from mlflow.utils.mlflow_tags import MLFLOW_LOGGED_ARTIFACTS
 
-        value = tables_tag(sorted(self.sample_files))
+        value = tables_tag(self.sample_files)
         if value != current:
             self.client.set_tag(self.run_id, MLFLOW_LOGGED_ARTIFACTS, value)
 
@@ -221,7 +225,7 @@ class Tracker:
         columns["iteration"] = [step] * len(rows)
         text = pd.DataFrame(columns).to_json(orient="split", index=False, date_format="iso")
         self.client.log_text(self.run_id, text, samples_file(step))
-        previous = tables_tag(sorted(self.sample_files))
+        previous = tables_tag(self.sample_files)
         self.sample_files.add(samples_file(step))
         self._list_tables(previous)
 

@@ -167,3 +167,16 @@ def test_a_long_run_keeps_every_sample_table_and_a_tag_mlflow_can_read(tmp_path)
     assert all(resumed.has_samples(n) for n in range(1, 202))
     tag = json.loads(resumed.client.get_run(resumed.run_id).data.tags[MLFLOW_LOGGED_ARTIFACTS])
     assert tag[-1] == {"path": "samples/iter-0201.json", "type": "table"}
+
+
+def test_the_tables_tag_lists_the_newest_tables_that_fit_in_numeric_order():
+    import json
+
+    from tasks.tracking.experiment import samples_file, tables_tag
+
+    files = {samples_file(n) for n in range(9_900, 10_100)}  # the names gain a digit at 10,000
+    tag = tables_tag(files)
+    listed = [t["path"] for t in json.loads(tag)]
+    assert len(tag) <= 8000 and len(json.dumps(json.loads(tag) + [{"path": samples_file(0), "type": "table"}])) > 8000
+    assert listed == [samples_file(n) for n in range(10_100 - len(listed), 10_100)]
+    assert tables_tag([]) == "[]"
