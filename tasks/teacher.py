@@ -113,7 +113,8 @@ def run_teacher(root: str, run_name: str, iteration: int) -> dict | None:
     metrics: dict[str, float] = {"teacher/source_iteration": float(source_n)}
     teacher_dir, reference_dir = teacher_source(run, iteration)
     teacher_manifest = resolve_checkpoint(run.layout, f"iter-{source_n}", source_kind)
-    base_manifest = resolve_checkpoint(run.layout, "iter-0", "policy")  # trust-region's reference
+    # the trust region's reference, the base policy: (folder, manifest), read only when there is one
+    base = None if reference_dir is None else (reference_dir, resolve_checkpoint(run.layout, "iter-0", "policy"))
     tokenizer = checkpoint_tokenizer(teacher_dir, teacher_manifest)
     k = int(columns["topk_ids"][0].shape[1]) if n_rows else cfg.rollout.top_k
 
@@ -139,11 +140,7 @@ def run_teacher(root: str, run_name: str, iteration: int) -> dict | None:
             from tasks.megatron.scorer import score_teacher_megatron
 
             scored = score_teacher_megatron(
-                scoring_models.megatron_scorer(
-                    run,
-                    (teacher_dir, teacher_manifest),
-                    None if reference_dir is None else (reference_dir, base_manifest),
-                ),
+                scoring_models.megatron_scorer(run, (teacher_dir, teacher_manifest), base),
                 sequences=sequences,
                 topk_ids=list(columns["topk_ids"]),
                 batch_tokens=cfg.teacher.batch_tokens,
@@ -152,8 +149,8 @@ def run_teacher(root: str, run_name: str, iteration: int) -> dict | None:
         else:
             model = scoring_models.hf_scorer(run, "teacher", teacher_dir, teacher_manifest)
             reference = None
-            if reference_dir is not None:
-                reference = scoring_models.hf_scorer(run, "reference", reference_dir, base_manifest)
+            if base is not None:
+                reference = scoring_models.hf_scorer(run, "reference", *base)
             scored = score_teacher(
                 model,
                 sequences=sequences,

@@ -189,7 +189,8 @@ class Tracker:
 
     def _list_tables(self, current: str | None) -> None:
         """Set the run's `mlflow.loggedArtifacts` tag, by which MLflow's UI finds its tables, to the
-        newest sample tables that fit in a tag value (`tables_tag`); `current` is its value now."""
+        newest sample tables that fit in a tag value (`tables_tag`), unless that is `current`, its
+        value now."""
         from mlflow.utils.mlflow_tags import MLFLOW_LOGGED_ARTIFACTS
 
         value = tables_tag(self.sample_files)
@@ -225,9 +226,8 @@ class Tracker:
         columns["iteration"] = [step] * len(rows)
         text = pd.DataFrame(columns).to_json(orient="split", index=False, date_format="iso")
         self.client.log_text(self.run_id, text, samples_file(step))
-        previous = tables_tag(self.sample_files)
         self.sample_files.add(samples_file(step))
-        self._list_tables(previous)
+        self._list_tables(None)  # set: the new table is listed (unless ~147 newer ones are)
 
     def record_config_changes(self, changes: list[dict[str, Any]]) -> None:
         """Tag each accepted config change (`config_changes.jsonl` entries) once, with its diff:
