@@ -68,6 +68,19 @@ class PreallocatedLayer(DynamicLayer):
     def get_seq_length(self) -> int:
         return self.filled
 
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep the batch rows `indices` (a decode drops its finished rows): the filled prefix is
+        copied into buffers of the same capacity, so the next steps still write in place."""
+        if not self.is_initialized:
+            raise RuntimeError("a KV cache layer cannot select rows before its first update")
+        for name in ("key_buffer", "value_buffer"):
+            old = getattr(self, name)
+            new = old.new_empty(len(indices), *old.shape[1:])
+            new[:, :, : self.filled] = old[indices, :, : self.filled]
+            setattr(self, name, new)
+        self.keys = self.key_buffer[:, :, : self.filled]
+        self.values = self.value_buffer[:, :, : self.filled]
+
 
 def preallocated_cache(config: Any, *, capacity: int) -> Cache:
     """One `PreallocatedLayer` per decoder layer; every layer must attend to the whole sequence."""
@@ -104,9 +117,11 @@ def _attention(
     scale = scaling if scaling is not None else d**-0.5
     # head i attends with KV head i // (h / g), as HF's repeat_kv lays them out
     grouped = query.reshape(b, g, h // g, d)  # [B, g, r, d]
-    scores = torch.matmul(grouped, key.transpose(-1, -2)) * scale  # [B, g, r, s]
+    # scaled and masked in place: two fewer [B, g, r, s] tensors a layer a step (a sixth of the
+    # attention's time at 512 rows on the CPU), the same values
+    scores = torch.matmul(grouped, key.transpose(-1, -2)).mul_(scale)  # [B, g, r, s]
     if attention_mask is not None:
-        scores = scores.masked_fill(~attention_mask.reshape(b, 1, 1, s), float("-inf"))
+        scores.masked_fill_(~attention_mask.reshape(b, 1, 1, s), float("-inf"))
     probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(value.dtype)
     out = torch.matmul(probs, value)  # [B, g, r, d]
     return out.reshape(b, 1, h, d), None

@@ -7,7 +7,8 @@ position ids keep each row's positions starting at 0 regardless of its padding.
 Decoding writes into preallocated buffers: the KV cache of a batch holds its final length from the
 prompt's forward on (`PreallocatedLayer`; a decode step writes one slot and attends a view of the
 filled prefix, where a growing cache would copy itself every step; `tasks.engines.decoding`), and
-so does the attention mask.
+so does the attention mask. Rows whose answer has stopped leave the decode once an eighth of the
+decoding rows has stopped (their KV cache rows too), so the remaining steps run on live rows only.
 
 Sampling is reproducible per sample: the uniform draws of sample j of prompt i come from a
 generator seeded with (seed, i, j), so a sample does not depend on which other prompts share its
@@ -31,7 +32,10 @@ __all__ = ["EmbeddedEngine"]
 logger = logging.getLogger(__name__)
 
 _PAD_ID = 0  # what fills padded slots; they are masked out, so any valid id works
-_GPU_STOP_CHECK_EVERY = 16  # decode steps between checks that every row has stopped, on a GPU
+_GPU_STOP_CHECK_EVERY = 16  # decode steps between checks of how many rows have stopped, on a GPU
+# a decode drops its stopped rows once at most this share of its rows is still live: each drop copies
+# the KV cache's filled prefix, and the rows kept run every step after it
+_DROP_FINISHED_AT = 7 / 8
 
 
 class EmbeddedEngine(RolloutEngine):
@@ -182,9 +186,8 @@ class EmbeddedEngine(RolloutEngine):
         )
         logits = out.logits[:, -1, :].float()  # [B, V]
         next_position = lengths.clone()  # [B]
-        finished = torch.zeros(batch, dtype=torch.bool, device=device)
-        # asking whether every row has stopped waits for the device; on a GPU ask every few steps so the
-        # host keeps queueing work (steps past the last stop are masked out below, so the result is the same)
+        # asking how many rows are still decoding waits for the device; on a GPU ask every few steps so
+        # the host keeps queueing work (steps past a row's stop are not counted, so the result is the same)
         sync_every = 1 if device.type == "cpu" else _GPU_STOP_CHECK_EVERY
         # Each step's outputs go into buffers of the whole batch allocated here, once: small
         # per-step tensors kept alive between each step's large temporaries fragment the heap (on
@@ -194,21 +197,37 @@ class EmbeddedEngine(RolloutEngine):
         topk_ids_all = torch.zeros((batch, max_new_tokens, top_k), dtype=torch.int32, device=device)  # [B, S, K]
         topk_lp_all = torch.zeros((batch, max_new_tokens, top_k), dtype=torch.float32, device=device)  # [B, S, K]
         num_tokens = torch.zeros(batch, dtype=torch.long, device=device)  # [B]; active steps form a prefix
+        # The rows being decoded: decoding row i fills batch row `rows[i]`. Once an eighth of them
+        # has stopped (`_DROP_FINISHED_AT`), the stopped ones leave the decode with their KV cache,
+        # so a batch whose answers differ in length does not run every row to the longest.
+        rows = torch.arange(batch, device=device)  # [b]
+        finished = torch.zeros(batch, dtype=torch.bool, device=device)  # [b]
         for step in range(max_new_tokens):
-            logprobs = torch.log_softmax(logits, dim=-1)  # [B, V]
+            logprobs = torch.log_softmax(logits, dim=-1)  # [b, V]
             if u is None:
                 token = logprobs.argmax(dim=-1)
             else:
-                token = _sample(logits / temperature, top_p=top_p, u=u[:, step])
-            topk_lp, topk_ids = logprobs.topk(top_k, dim=-1)  # [B, K]
-            tokens[:, step] = token
-            sampled[:, step] = logprobs.gather(-1, token[:, None])[:, 0]
-            topk_ids_all[:, step] = topk_ids
-            topk_lp_all[:, step] = topk_lp
-            num_tokens += ~finished
+                # x / 1.0 is x: the common temperature skips a pass over [b, V]
+                scaled = logits if temperature == 1.0 else logits / temperature
+                token = _sample(scaled, top_p=top_p, u=u[rows, step])
+            topk_lp, topk_ids = logprobs.topk(top_k, dim=-1)  # [b, K]
+            tokens[rows, step] = token
+            sampled[rows, step] = logprobs.gather(-1, token[:, None])[:, 0]
+            topk_ids_all[rows, step] = topk_ids.to(torch.int32)
+            topk_lp_all[rows, step] = topk_lp
+            num_tokens[rows] += ~finished
             finished = finished | torch.isin(token, stop_ids)
-            if step == max_new_tokens - 1 or (step % sync_every == sync_every - 1 and bool(finished.all())):
+            if step == max_new_tokens - 1:
                 break
+            if step % sync_every == sync_every - 1:
+                live = int(rows.numel() - finished.sum())
+                if live == 0:
+                    break
+                if live <= rows.numel() * _DROP_FINISHED_AT:
+                    keep = (~finished).nonzero()[:, 0]  # [b']
+                    rows, finished, token = rows[keep], finished[keep], token[keep]
+                    next_position, full_mask = next_position[keep], full_mask[keep]
+                    cache.batch_select_indices(keep)
             out = model(
                 input_ids=token[:, None],
                 attention_mask=full_mask[:, : width + step + 1],

@@ -132,14 +132,16 @@ def score_teacher(
     for batch in tqdm(pack_batches(lengths, batch_tokens=batch_tokens), desc="teacher", disable=not progress):
         width = max(lengths[i] for i in batch)
         input_ids = torch.zeros((len(batch), width), dtype=torch.long, device=device)  # [B, L], right-padded
-        attention_mask = torch.zeros_like(input_ids)
         for row, i in enumerate(batch):
             prompt, response = sequences[i]
             input_ids[row, : lengths[i]] = torch.tensor(prompt + response, device=device)
-            attention_mask[row, : lengths[i]] = 1
-        hidden = decoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # [B, L, H]
+        # No padding mask: the padding follows each sequence, so under the causal mask no scored
+        # position sees it, and the positions count from 0 either way. Without a mask, attention
+        # runs as SDPA's causal kernel with grouped KV heads; with one, transformers builds a
+        # [B, 1, L, L] mask and repeats K and V to every query head first.
+        hidden = decoder(input_ids=input_ids).last_hidden_state  # [B, L, H]
         if reference_model is not None:
-            ref_hidden = ref_decoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+            ref_hidden = ref_decoder(input_ids=input_ids).last_hidden_state
 
         # Every response position of the batch, flattened: one projection per chunk of
         # `logit_chunk_tokens` positions across sequences instead of one per sequence.
@@ -172,9 +174,10 @@ def score_teacher(
             if reference_model is not None:
                 ref_logits = ref_head(ref_states[c0:c1]).float()
                 logits = trust_region_logits(ref_logits, logits, rate=trust_region_rate)
-            log_norm = torch.logsumexp(logits, dim=-1, keepdim=True)  # [C, 1]
-            topk_parts.append(logits.gather(-1, ids[c0:c1]) - log_norm)  # [C, K]
-            sampled_parts.append((logits.gather(-1, targets[c0:c1, None]) - log_norm)[:, 0])  # [C]
+            # one fused pass over [C, V]; logits.gather - logsumexp made three with two temporaries
+            logprobs = torch.log_softmax(logits, dim=-1)  # [C, V]
+            topk_parts.append(logprobs.gather(-1, ids[c0:c1]))  # [C, K]
+            sampled_parts.append(logprobs.gather(-1, targets[c0:c1, None])[:, 0])  # [C]
         k = topk_ids[batch[0]].shape[1]
         topk_all = torch.cat(topk_parts).cpu().numpy() if topk_parts else np.zeros((0, k), dtype=np.float32)
         sampled_all = torch.cat(sampled_parts).cpu().numpy() if sampled_parts else np.zeros((0,), dtype=np.float32)

@@ -150,6 +150,39 @@ def test_stop_token_ends_the_sequence_and_is_kept(engine, prompts):
         assert group[0].finish_reason == ("stop" if stop in ids else "length")
 
 
+def test_rows_that_stop_leave_the_decode_and_no_sample_changes(checkpoint, prompts):
+    """Rows that have stopped are dropped from the decode (with their KV cache) once an eighth of
+    the batch has stopped: the batch the model sees shrinks, and every sample is what it is when
+    decoded alone."""
+    path, _ = checkpoint
+    batched, alone = EmbeddedEngine(str(path), max_batch_size=64), EmbeddedEngine(str(path), max_batch_size=1)
+    # a stop id that some rows draw early and others late or never: the commonest second token
+    probe = sample(alone, prompts, n=4, max_new_tokens=12, seed=5)
+    seconds = [g.response_ids[1] for group in probe for g in group]
+    stop = max(set(seconds), key=seconds.count)
+    widths: list[int] = []
+    handle = batched.model.register_forward_pre_hook(
+        lambda _m, args, kw: widths.append(kw["input_ids"].shape[0]), with_kwargs=True
+    )
+    try:
+        together = sample(batched, prompts, n=4, max_new_tokens=12, seed=5, stop_token_ids=[stop])
+    finally:
+        handle.remove()
+    single = sample(alone, prompts, n=4, max_new_tokens=12, seed=5, stop_token_ids=[stop])
+    lengths = sorted(len(g.response_ids) for group in together for g in group)
+    assert lengths[0] < lengths[-1], lengths  # rows stopped at different steps
+    assert widths[0] == 12 and min(widths) < 12 and widths == sorted(widths, reverse=True), widths
+    for a, b in zip(together, single, strict=True):
+        assert [g.response_ids for g in a] == [g.response_ids for g in b]
+        assert [g.finish_reason for g in a] == [g.finish_reason for g in b]
+        for x, y in zip(a, b, strict=True):
+            np.testing.assert_allclose(x.sampled_logprobs, y.sampled_logprobs, atol=1e-5)
+            np.testing.assert_allclose(x.topk_logprobs, y.topk_logprobs, atol=1e-5)
+            np.testing.assert_array_equal(x.topk_ids, y.topk_ids)
+    batched.close()
+    alone.close()
+
+
 def test_every_token_a_stop_token_gives_one_token_responses(engine, prompts):
     vocab = engine.model.config.vocab_size
     out = sample(engine, prompts, stop_token_ids=list(range(vocab)))
