@@ -71,11 +71,15 @@ def upload_checkpoint(
     parent: Manifest | str | None,
     trained_on: Sequence[Manifest | Mapping[str, str]] = (),
     metadata: Mapping[str, Any] | None = None,
+    handed_over: bool = False,
 ) -> Manifest:
     """Upload every file under `local_dir` (recursively) as checkpoint `kind` of iteration n.
 
     `parent`: the checkpoint these weights were trained from (its manifest), an external reference
     such as a base model name (str), or None. `trained_on`: the stage manifests of the training data.
+    `handed_over`: the folder's files are the caller's to give away, and nothing writes them again
+    (a stage's scratch output); a file:// store on their file system then takes them as hard
+    links, without copying the bytes (`ObjectStore.put_local_file`).
     Refuses a committed checkpoint; clears a partial upload (files without manifest) first.
     """
     source = Path(local_dir)
@@ -107,7 +111,7 @@ def upload_checkpoint(
     for path in files:
         name = path.relative_to(source).as_posix()
         url = join(layout.checkpoint_files_dir(n, kind), name)
-        digest = layout.store.put_local_file(path, url)
+        digest = layout.store.put_local_file(path, url, link=handed_over)
         crash_point(f"checkpoint.uploading:{kind}", n)
         entries.append({"name": name, "path": layout.relative(url), "bytes": path.stat().st_size, "sha256": digest})
     data = {

@@ -13,6 +13,7 @@ Every remote operation goes through `call_with_retry`. Paths handed in are URLs 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import io
@@ -73,6 +74,21 @@ def _copy_hashing(source: str | os.PathLike[str], target: str | os.PathLike[str]
                 hashed.result()
                 chunk = src.read(_HASH_CHUNK)
     return digest.hexdigest()
+
+
+# os.link's refusals that mean "copy instead": another file system, or one without hard links
+_NO_LINK = (errno.EXDEV, errno.EPERM, errno.EOPNOTSUPP, errno.EMLINK)
+
+
+def _link(source: str | os.PathLike[str], target: str) -> bool:
+    """Hard-link `source` at `target` (a new name); False where the file system refuses the link."""
+    try:
+        os.link(source, target)
+    except OSError as exc:
+        if exc.errno in _NO_LINK:
+            return False
+        raise
+    return True
 
 
 class HashingSink(io.RawIOBase):
@@ -358,14 +374,35 @@ class ObjectStore:
 
         call_with_retry(call, policy=self.retry, what=f"conditional {method} {url}")
 
-    def put_local_file(self, local_path: str | os.PathLike[str], url: str) -> str:
+    def put_local_file(self, local_path: str | os.PathLike[str], url: str, *, link: bool = False) -> str:
         """Upload (or copy) one local file to `url`, whole-file retried on s3; returns its sha256.
 
-        On file:// the digest is taken from the bytes as they are copied (one read of the file)."""
+        On file:// the file is written beside `url` and renamed onto it, so a file already there is
+        replaced, never written into. The digest is taken from the bytes as they are copied (one
+        read of the file). With `link`, a file:// store on the file's own file system takes it as a
+        hard link instead of a copy, and the digest is read from it: for a file its writer hands
+        over, which nothing writes again (a stage's output in its scratch folder), since the
+        store's file and `local_path` are then one file. The caller's own files (a user's model
+        folder) are copied: rewriting one in place would change the stored bytes."""
         path = self.path(url)
         if self.backend == "file":
             self._ensure_parent(path)
-            return str(self._call(lambda: _copy_hashing(local_path, path), "copy", url))
+            tmp = tmp_sibling(path)
+
+            def put() -> str:
+                try:
+                    if link and _link(local_path, tmp):
+                        digest = sha256_local_file(tmp)
+                    else:
+                        digest = _copy_hashing(local_path, tmp)
+                    os.replace(tmp, path)
+                except BaseException:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(tmp)
+                    raise
+                return digest
+
+            return str(self._call(put, "link" if link else "copy", url))
         if self.backend == "memory":
             data = Path(local_path).read_bytes()
             self.fs.pipe_file(path, data)

@@ -159,7 +159,9 @@ def run_train(root: str, run_name: str, iteration: int) -> dict | None:
     tokenizer = checkpoint_tokenizer(checkpoint_dir(run, iteration - 1, "policy"), previous)
     # Rank 0 uploads each checkpoint on a thread of its own while the stage goes on: the policy
     # while the EMA teacher is computed, the teacher while the full state is saved. Each upload
-    # writes its checkpoint manifest last, and the stage manifest waits for all of them.
+    # writes its checkpoint manifest last, and the stage manifest waits for all of them. The
+    # scratch files are handed over: with `storage.link_uploads`, a file:// store on their file
+    # system takes them as hard links instead of copying them.
     with _shared_scratch(cfg.storage.cache_dir, rank) as tmp_path, ThreadPoolExecutor(1, "upload") as uploads:
         policy_dir = tmp_path / "policy"
         clock = time.perf_counter()
@@ -177,6 +179,7 @@ def run_train(root: str, run_name: str, iteration: int) -> dict | None:
                 "policy",
                 parent=previous,
                 trained_on=[parent],
+                handed_over=cfg.storage.link_uploads,
             )
             teacher_dir = tmp_path / "teacher"
             teacher = update_teacher(run, iteration, policy_dir, teacher_dir, policy=policy)
@@ -195,6 +198,7 @@ def run_train(root: str, run_name: str, iteration: int) -> dict | None:
                     "teacher",
                     parent=policy_manifest,
                     trained_on=[parent],
+                    handed_over=cfg.storage.link_uploads,
                 )
         last = iteration == cfg.iterations
         full_state = last or iteration % cfg.train.megatron_checkpoint_every == 0
@@ -218,7 +222,15 @@ def run_train(root: str, run_name: str, iteration: int) -> dict | None:
             if world > 1:
                 _check_shared(tmp_path, world)
             produced.append(
-                upload_checkpoint(mdir, run.layout, iteration, "megatron", parent=produced[0], trained_on=[parent])
+                upload_checkpoint(
+                    mdir,
+                    run.layout,
+                    iteration,
+                    "megatron",
+                    parent=produced[0],
+                    trained_on=[parent],
+                    handed_over=cfg.storage.link_uploads,
+                )
             )
             metrics["train/megatron_save_seconds"] += time.perf_counter() - upload_started  # its save and upload
         for folder, manifest in uploaded:  # the next stages read these from the cache, not from the store

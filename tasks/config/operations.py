@@ -45,6 +45,12 @@ class StorageConfig(Section):
     cache_max_gb: float | None = Field(
         None, gt=0, description="bound the local checkpoint cache: least recently used checkpoints are evicted"
     )
+    link_uploads: bool = Field(
+        True,
+        description="a local (file://) root on the cache's file system takes the checkpoints the train stage "
+        "wrote as hard links, not copies: one copy of the bytes on that disk, shared with the cache; false "
+        "keeps two copies",
+    )
 
 
 class TrackingConfig(Section):

@@ -115,3 +115,12 @@ def test_lineage_checks_the_training_data_it_names(finished_run: Path) -> None:
         assert [r.trained_on_ok for r in lineage(layout) if r.iteration == 1] == [False, False, False]
     finally:
         manifest.write_bytes(original)
+
+
+@pytest.mark.parametrize("kind", ["policy weights", "teacher weights"])
+def test_the_train_stage_shares_its_checkpoints_with_the_cache_as_hard_links(finished_run: Path, kind: str) -> None:
+    """`storage.link_uploads` (default): the weights the train stage stored are the files it adopted
+    into the cache, one copy on disk, and the run still verifies (above)."""
+    stored = (finished_run / "audited" / KINDS[kind]).stat()
+    cached = [p for p in (finished_run.parent / "cache").rglob("model.safetensors") if p.stat().st_ino == stored.st_ino]
+    assert stored.st_nlink == 2 and len(cached) == 1, (stored.st_nlink, cached)

@@ -349,3 +349,74 @@ def test_part_of_a_checkpoint_downloads_only_the_files_chosen(
     )
     with pytest.raises(FileNotFoundError, match="no file"):
         download_checkpoint_files(layout, 0, "policy", include=lambda name: False, cache_dir=tmp_path / "cache")
+
+
+def _file_layout(tmp_path: Path) -> RunLayout:
+    layout = RunLayout(str(tmp_path / "runs"), "run")
+    create_or_open_run(layout, {"lr": 1e-6})
+    return layout
+
+
+def test_a_handed_over_folder_is_stored_as_hard_links_and_a_users_folder_is_copied(tmp_path: Path) -> None:
+    """A file:// store on the scratch folder's file system takes handed-over files as links (no
+    copy of the bytes); without `handed_over` the store holds copies of its own."""
+    layout = _file_layout(tmp_path)
+    handed = _megatron_like(tmp_path / "scratch" / "a")
+    own = _megatron_like(tmp_path / "user" / "b", seed=1)
+    linked = upload_checkpoint(handed, layout, 0, "policy", parent=None, handed_over=True)
+    copied = upload_checkpoint(own, layout, 0, "teacher", parent=None)
+    for manifest, source, shared in ((linked, handed, True), (copied, own, False)):
+        for entry in manifest.data["files"]:
+            stored = Path(layout.store.path(layout.url(entry["path"])))
+            local = source / entry["name"]
+            assert entry["sha256"] == sha256_local_file(local) == sha256_local_file(stored)
+            assert stored.read_bytes() == local.read_bytes()
+            assert (stored.stat().st_ino == local.stat().st_ino) is shared, entry["name"]
+    assert not list(Path(layout.store.path(layout.checkpoint_dir(0, "policy"))).rglob(".*.tmp*"))
+
+
+def test_a_store_on_another_file_system_copies_a_handed_over_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import errno
+    import os
+
+    from storage.errors import StorageIOError
+
+    layout = _file_layout(tmp_path)
+    local = tmp_path / "scratch" / "w.bin"
+    local.parent.mkdir()
+    local.write_bytes(np.random.default_rng(3).bytes(10_000))
+    url = layout.url("blobs/w.bin")
+
+    def refuse(code: int):  # type: ignore[no-untyped-def]
+        def link(*args: object) -> None:
+            raise OSError(code, os.strerror(code))
+
+        return link
+
+    monkeypatch.setattr(os, "link", refuse(errno.EXDEV))
+    assert layout.store.put_local_file(local, url, link=True) == sha256_local_file(local)
+    stored = Path(layout.store.path(url))
+    assert stored.read_bytes() == local.read_bytes() and stored.stat().st_ino != local.stat().st_ino
+    # any other refusal is an error, naming the object
+    monkeypatch.setattr(os, "link", refuse(errno.EACCES))
+    with pytest.raises(StorageIOError, match="v.bin"):
+        layout.store.put_local_file(local, layout.url("blobs/v.bin"), link=True)
+    assert not list(stored.parent.glob(".*.tmp*"))
+
+
+def test_an_upload_replaces_the_file_at_its_target_and_never_writes_into_it(tmp_path: Path) -> None:
+    """The file at an upload's target may share its bytes with another name (a hard link into the
+    cache): an upload renames a new file onto the target, so the other name keeps its bytes."""
+    layout = _file_layout(tmp_path)
+    url = layout.url("blobs/x.bin")
+    first, second = tmp_path / "first.bin", tmp_path / "second.bin"
+    first.write_bytes(b"a" * 5000)
+    second.write_bytes(b"b" * 3000)
+    layout.store.put_local_file(first, url, link=True)
+    assert Path(layout.store.path(url)).stat().st_ino == first.stat().st_ino
+    for link in (False, True):
+        layout.store.put_local_file(second, url, link=link)
+        assert first.read_bytes() == b"a" * 5000
+        assert Path(layout.store.path(url)).read_bytes() == b"b" * 3000
