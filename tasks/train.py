@@ -124,6 +124,7 @@ def run_train(root: str, run_name: str, iteration: int) -> dict | None:
     from storage.shard_reader import read_stage_columns
     from storage.stages import write_stage_manifest
     from tasks import kept_weights
+    from tasks.megatron.batches import TRAIN_COLUMNS
     from tasks.megatron.parallel import init_parallel
     from tasks.megatron.resume import get_trainer
     from tasks.runtime import cache_bound_bytes, checkpoint_dir, open_run
@@ -144,7 +145,9 @@ def run_train(root: str, run_name: str, iteration: int) -> dict | None:
 
     started = time.perf_counter()
     parent = read_stage_manifest(run.layout, iteration, "teacher")
-    columns = read_stage_columns(run.layout, iteration, "teacher", verify=cfg.storage.verify_sha256)
+    columns = read_stage_columns(
+        run.layout, iteration, "teacher", columns=TRAIN_COLUMNS, verify=cfg.storage.verify_sha256
+    )
     trainer = get_trainer(run, iteration)
     train_started = time.perf_counter()
     metrics = trainer.train_iteration(columns, iteration=iteration)

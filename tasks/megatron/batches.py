@@ -12,6 +12,20 @@ import numpy as np
 
 from tasks.config import RunConfig
 
+# The teacher shard's columns a training step reads: the stage reads these alone (the shard's text
+# columns, prompts, feedback and teacher contexts, are for the viewer and audits)
+TRAIN_COLUMNS = (
+    "sample_id",
+    "prompt_ids",
+    "response_ids",
+    "topk_ids",
+    "sampled_logprobs",
+    "teacher_topk_logprobs",
+    "teacher_sampled_logprobs",
+    "advantage",
+    "sample_mask",
+)
+
 
 @dataclass
 class Batch:

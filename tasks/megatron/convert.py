@@ -445,6 +445,8 @@ def save_megatron_as_hf(
     from megatron.core import parallel_state
     from safetensors.torch import save_file
 
+    from tasks.kept_weights import WEIGHTS_FILE
+
     states = gather_tensor_parallel_states(model.state_dict())
     writer = parallel_state.get_tensor_model_parallel_rank() == 0 and parallel_state.get_data_parallel_rank() == 0
     tensors: dict[str, Tensor] | None = None
@@ -462,7 +464,7 @@ def save_megatron_as_hf(
         config.architectures = [SUPPORTED_MODEL_TYPES[hf_config.model_type]]
         config.dtype = dtypes.pop()
         config.save_pretrained(out)
-        save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+        save_file(tensors, out / WEIGHTS_FILE, metadata={"format": "pt"})
         if tokenizer is not None:
             tokenizer.save_pretrained(out)
         logger.info("saved HF model (%d tensors, tp=%d) to %s", len(tensors), len(states), out)

@@ -36,6 +36,7 @@ def restore_trainer(run: Run, iteration: int) -> MegatronTrainer:
     checkpoint it committed.
     """
     from storage.shard_reader import read_stage_columns
+    from tasks.megatron.batches import TRAIN_COLUMNS
     from tasks.runtime import checkpoint_dir
 
     start = full_state_iteration(run, iteration)
@@ -47,7 +48,9 @@ def restore_trainer(run: Run, iteration: int) -> MegatronTrainer:
         logger.info(
             "replaying the training of iteration %d from its teacher shards (full state of iteration %d)", m, start
         )
-        columns = read_stage_columns(run.layout, m, "teacher", verify=run.cfg.storage.verify_sha256)
+        columns = read_stage_columns(
+            run.layout, m, "teacher", columns=TRAIN_COLUMNS, verify=run.cfg.storage.verify_sha256
+        )
         trainer.train_iteration(columns, iteration=m)
         check_replay(run, trainer, m)
     trainer.iteration = iteration
@@ -61,6 +64,7 @@ def check_replay(run: Run, trainer: MegatronTrainer, iteration: int) -> None:
     from storage.checkpoints import read_checkpoint_manifest, resolve_checkpoint
     from storage.objects import sha256_local_file
     from storage.scratch import scratch_dir
+    from tasks.kept_weights import WEIGHTS_FILE
     from tasks.runtime import checkpoint_dir
     from tasks.tokenizers import checkpoint_tokenizer
 
@@ -70,11 +74,11 @@ def check_replay(run: Run, trainer: MegatronTrainer, iteration: int) -> None:
         trainer.save_hf(tmp, base)  # collective; rank 0 writes
         if torch.distributed.get_rank() != 0:
             return
-        replayed = sha256_local_file(tmp / "model.safetensors")
-    if replayed != stored["model.safetensors"]:
+        replayed = sha256_local_file(tmp / WEIGHTS_FILE)
+    if replayed != stored[WEIGHTS_FILE]:
         raise RuntimeError(
             f"replaying iteration {iteration} of run {run.layout.run_name!r} gave weights {replayed[:12]}, but its "
-            f"committed policy has {stored['model.safetensors'][:12]}: training is not deterministic here "
+            f"committed policy has {stored[WEIGHTS_FILE][:12]}: training is not deterministic here "
             f"(train.deterministic={run.cfg.train.deterministic}), so an exact resume needs "
             "train.deterministic=true or train.megatron_checkpoint_every=1"
         )
