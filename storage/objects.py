@@ -76,6 +76,17 @@ def _copy_hashing(source: str | os.PathLike[str], target: str | os.PathLike[str]
     return digest.hexdigest()
 
 
+@contextmanager
+def _removed_on_failure(tmp: str) -> Iterator[None]:
+    """Remove the temporary file `tmp` when the block fails (it may not exist yet), then re-raise."""
+    try:
+        yield
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
 # os.link's refusals that mean "copy instead": another file system, or one without hard links
 _NO_LINK = (errno.EXDEV, errno.EPERM, errno.EOPNOTSUPP, errno.EMLINK)
 
@@ -207,15 +218,10 @@ class ObjectStore:
         """`data` in a synced temporary file beside `path`; nothing is left when the write fails."""
         self._ensure_parent(path)
         tmp = tmp_sibling(path)
-        try:
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-            raise
+        with _removed_on_failure(tmp), open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
         return tmp
 
     # -- reads ------------------------------------------------------------------------------
@@ -390,16 +396,12 @@ class ObjectStore:
             tmp = tmp_sibling(path)
 
             def put() -> str:
-                try:
+                with _removed_on_failure(tmp):
                     if link and _link(local_path, tmp):
                         digest = sha256_local_file(tmp)
                     else:
                         digest = _copy_hashing(local_path, tmp)
                     os.replace(tmp, path)
-                except BaseException:
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(tmp)
-                    raise
                 return digest
 
             return str(self._call(put, "link" if link else "copy", url))
