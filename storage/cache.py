@@ -41,6 +41,7 @@ from storage.scratch import owner_tag
 logger = logging.getLogger(__name__)
 
 PINS = "pins"
+PARTIAL_PREFIX = "files-"  # folders of part of a checkpoint (`download_checkpoint_files`)
 _SCOPE: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar("sdpo_cache_pins", default=None)
 # path -> (the file's identity when its sha256 was known, that sha256); see the module docstring
 _HASHED: dict[str, tuple[tuple[int, int, int, int], str]] = {}
@@ -330,16 +331,19 @@ def download_checkpoint_files(
     """Local folder holding only the files of checkpoint `ref` whose names pass `include`.
 
     For readers that need part of a checkpoint (a tokenizer without the weights). The folder is
-    `<cache_dir>/<manifest digest>-<digest of the chosen names>/`, reused when its files match the
-    manifest (sha256 when `verify`); fails when `include` keeps no file. Eviction never touches it.
+    named by its content, `<cache_dir>/files-<digest of the chosen names and their sha256>/`, so
+    the checkpoints of a run that carry the same files (every policy carries the base model's
+    tokenizer files) share one folder however many iterations are read. It is reused when its
+    files match the manifest (sha256 when `verify`); fails when `include` keeps no file. Eviction
+    never touches it: there is one per distinct set of files.
     """
     manifest = resolve_checkpoint(layout, ref, kind)
     entries = [e for e in manifest.data["files"] if include(e["name"])]
     if not entries:
         names = [e["name"] for e in manifest.data["files"]][:8]
         raise FileNotFoundError(f"checkpoint {kind} of {ref} has no file that `include` keeps; files: {names}")
-    chosen = hashlib.sha256("\n".join(sorted(e["name"] for e in entries)).encode()).hexdigest()[:16]
-    target = Path(cache_dir) / f"{manifest.sha256}-{chosen}"
+    content = "".join(f"{e['name']}\0{e['sha256']}\n" for e in sorted(entries, key=lambda e: e["name"]))
+    target = Path(cache_dir) / f"{PARTIAL_PREFIX}{hashlib.sha256(content.encode()).hexdigest()}"
     for entry in entries:
         local = target / entry["name"]
         fresh = local.is_file() and local.stat().st_size == entry["bytes"]

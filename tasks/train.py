@@ -127,8 +127,8 @@ def run_train(root: str, run_name: str, iteration: int) -> dict | None:
     from tasks.megatron.batches import TRAIN_COLUMNS
     from tasks.megatron.parallel import init_parallel
     from tasks.megatron.resume import get_trainer
-    from tasks.runtime import cache_bound_bytes, checkpoint_dir, open_run
-    from tasks.tokenizers import checkpoint_tokenizer
+    from tasks.runtime import cache_bound_bytes, open_run
+    from tasks.tokenizers import stored_tokenizer
 
     run = open_run(root, run_name)
     cfg = run.cfg
@@ -158,8 +158,11 @@ def run_train(root: str, run_name: str, iteration: int) -> dict | None:
     crash_point("train.trained", iteration)
 
     previous = resolve_checkpoint(run.layout, iteration - 1, "policy")
-    # the policy's tokenizer files are the previous policy's, from the tokenizer this process keeps
-    tokenizer = checkpoint_tokenizer(checkpoint_dir(run, iteration - 1, "policy"), previous)
+    # the policy's tokenizer files are the previous policy's: from the tokenizer this process keeps,
+    # else fetched without the previous policy's weights, which this stage never reads
+    tokenizer = stored_tokenizer(
+        run.layout, iteration - 1, "policy", cache_dir=cfg.storage.cache_dir, verify=cfg.storage.verify_sha256
+    )
     # Rank 0 uploads each checkpoint on a thread of its own while the stage goes on: the policy
     # while the EMA teacher is computed, the teacher while the full state is saved. Each upload
     # writes its checkpoint manifest last, and the stage manifest waits for all of them. The

@@ -9,9 +9,7 @@ with the run's feedback policy (`FeedbackPolicy.demonstrations`, the function th
 
 from __future__ import annotations
 
-import functools
 import logging
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -23,7 +21,6 @@ from tasks.viewer.render import credit_colour, segments, token_regions
 logger = logging.getLogger(__name__)
 
 HOVER_TOP = 20  # candidates shown per token: all K when K is smaller
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".distcp")
 _GROUP_COLUMNS = (
     "sample_id",
     "group_id",
@@ -37,27 +34,13 @@ _GROUP_COLUMNS = (
 )
 
 
-@functools.lru_cache(maxsize=4)
-def _tokenizer(path: Path) -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(path))
-
-
-def _not_weights(name: str) -> bool:
-    return "/" not in name and not name.endswith(_WEIGHT_SUFFIXES)
-
-
 def policy_tokenizer(data: RunData, n: int) -> Any:
     """The tokenizer of the policy that sampled iteration n (checkpoint n - 1), fetched without the
     checkpoint's weights."""
-    from storage.cache import download_checkpoint_files
+    from tasks.tokenizers import stored_tokenizer
 
     cfg = data.run.cfg.storage
-    folder = download_checkpoint_files(
-        data.layout, n - 1, "policy", include=_not_weights, cache_dir=cfg.cache_dir, verify=cfg.verify_sha256
-    )
-    return _tokenizer(folder)
+    return stored_tokenizer(data.layout, n - 1, "policy", cache_dir=cfg.cache_dir, verify=cfg.verify_sha256)
 
 
 def _round(values: np.ndarray, digits: int = 4) -> list[float | None]:

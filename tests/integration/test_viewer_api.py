@@ -198,7 +198,9 @@ def test_the_page_is_served(client):
 
 def test_the_viewer_reads_a_run_on_s3(tmp_path, s3_root, s3_options):
     from storage.urls import register_options
+    from tasks import tokenizers
 
+    tokenizers.forget()  # a viewer process of its own keeps no tokenizer yet
     register_options(s3_root, s3_options)
     (tmp_path / "tokenizer").mkdir()
     (tmp_path / "tokenizer" / "model.safetensors").write_bytes(b"\0" * 100_000)  # weights beside the tokenizer

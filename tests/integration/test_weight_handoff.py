@@ -140,3 +140,34 @@ def test_weights_copied_into_a_model_equal_a_fresh_load(tmp_path, tied):
         assert torch.equal(model.state_dict()[name], tensor), name
     with pytest.raises(ValueError, match="missing"):
         load_into(model, {k: v for k, v in stored.items() if "layers.1." not in k})
+
+
+def test_a_new_process_trains_without_fetching_the_previous_policys_weights(tmp_path, prefect_server, monkeypatch):
+    """The train stage names the previous policy's tokenizer in the policy it writes. A stage
+    process that keeps no tokenizer (one a subprocess or work-pool launcher started) fetches that
+    checkpoint's tokenizer files only, never its weights, and trains to the same policy."""
+    import shutil
+
+    from flows.run import sdpo_run
+    from storage.checkpoints import resolve_checkpoint
+    from storage.layout import RunLayout
+    from tasks.launch import run_stage
+    from tasks.tokenizers import tokenizer_file
+
+    forget_process_state()
+    config = write_config(tmp_path, "tokfiles", base={**TINY, "iterations": 2, "eval": {"every": 0}})
+    sdpo_run(str(config), [])
+    layout = RunLayout(str(tmp_path / "runs"), "tokfiles")
+    trained = resolve_checkpoint(layout, 2, "policy").data["files"]
+    layout.store.remove_file(layout.stage_manifest(2, "train"))  # the stage runs again, as after a crash
+
+    forget_process_state()  # what a new process keeps: nothing
+    shutil.rmtree(tmp_path / "cache")
+    reads = _record_weight_reads(monkeypatch)
+    run_stage("train", str(tmp_path / "runs"), "tokfiles", 2)
+
+    previous = sorted(url.rsplit("/files/", 1)[1] for url in reads["store"] if "/checkpoints/iter-1/policy/" in url)
+    names = sorted(e["name"] for e in resolve_checkpoint(layout, 1, "policy").data["files"])
+    assert "model.safetensors" in names and "model.safetensors" not in previous, previous
+    assert previous == [name for name in names if tokenizer_file(name)]  # tokenizer and configs, once each
+    assert resolve_checkpoint(layout, 2, "policy").data["files"] == trained  # the same policy, bit for bit

@@ -326,7 +326,7 @@ def test_part_of_a_checkpoint_downloads_only_the_files_chosen(
     local = download_checkpoint_files(
         layout, 0, "policy", include=lambda name: name.endswith(".json"), cache_dir=tmp_path / "cache"
     )
-    assert local.name.startswith(manifest.sha256 + "-")
+    assert local.name.startswith("files-") and manifest.sha256 not in local.name  # named by the files it holds
     assert sorted(p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file()) == ["hf/config.json"]
     assert (local / "hf" / "config.json").read_bytes() == (source / "hf" / "config.json").read_bytes()
 
@@ -349,6 +349,28 @@ def test_part_of_a_checkpoint_downloads_only_the_files_chosen(
     )
     with pytest.raises(FileNotFoundError, match="no file"):
         download_checkpoint_files(layout, 0, "policy", include=lambda name: False, cache_dir=tmp_path / "cache")
+
+
+def test_checkpoints_carrying_the_same_files_share_one_partial_folder(layout: RunLayout, tmp_path: Path) -> None:
+    """Every policy of a run carries the base model's tokenizer files: reading them for each
+    iteration fills one folder of the cache, not one per checkpoint."""
+    from storage.cache import download_checkpoint_files
+
+    first = upload_checkpoint(_megatron_like(tmp_path / "a", seed=0), layout, 0, "policy", parent=None)
+    second = upload_checkpoint(_megatron_like(tmp_path / "b", seed=1), layout, 1, "policy", parent=first)
+    assert first.sha256 != second.sha256  # different weights, the same config.json
+
+    def configs(ref: int) -> Path:
+        return download_checkpoint_files(
+            layout, ref, "policy", include=lambda name: name.endswith(".json"), cache_dir=tmp_path / "cache"
+        )
+
+    assert configs(0) == configs(1)
+    (tmp_path / "c" / "hf").mkdir(parents=True)
+    (tmp_path / "c" / "hf" / "config.json").write_text('{"model_type": "llama"}')
+    third = upload_checkpoint(tmp_path / "c", layout, 2, "policy", parent=second)
+    assert third.sha256 and configs(2) != configs(0)  # other bytes, another folder
+    assert (configs(2) / "hf" / "config.json").read_text() == '{"model_type": "llama"}'
 
 
 def _file_layout(tmp_path: Path) -> RunLayout:
