@@ -6,10 +6,11 @@
 Both sides get the same model folder (benchmarks/gpu/pipeline_run.py's random-init Qwen3 of
 `--shape`, float32 here), the same arithmetic prompts, G answers per prompt, the same new-token
 limit, top-K 16 + tail, alpha 0.5, EMA teacher (tau 0.05), lr 1e-6 and one optimizer step per
-iteration. Ours is the CLI (benchmarks/gpu/pipeline.yaml with CPU placement: Prefect flow, shards,
-manifests, HF and EMA checkpoints every iteration, MLflow; the teacher scored by the default
-in-process HF scorer); TRL's is
-benchmarks/gpu/trl_sdpo.py. Runs alternate A/B/A/B, TRL first in each pair. Each side's figure is
+iteration, accumulated over micro-batches: TRL's of 32 answers (8 at the small size), ours packed
+to 4096 tokens (8192 at the long size, about the tokens of TRL's padded micro-batch there). Ours is
+the CLI (benchmarks/gpu/pipeline.yaml with CPU placement: Prefect flow, shards, manifests, HF and
+EMA checkpoints every iteration, MLflow; the teacher scored by the default in-process HF scorer);
+TRL's is benchmarks/gpu/trl_sdpo.py. Runs alternate A/B/A/B, TRL first in each pair. Each side's figure is
 its steady iteration (the median of iterations 2 onward in a run, so our last iteration's full-state
 save counts once, not as a mean), then the median over pairs; peak RSS is the
 whole process tree's (the CLI's Prefect server and stage processes included), sampled every 0.2 s,
@@ -39,8 +40,11 @@ import psutil
 
 REPO = Path(__file__).resolve().parents[1]
 PROJECT_PYTHON = REPO / ".venv" / "bin" / "python"
-# name -> (prompts per iteration, answers per prompt, max new tokens, micro-batch of TRL's step)
-SIZES = {"small": (8, 8, 8, 8), "large": (64, 8, 64, 32), "long": (64, 8, 256, 32)}
+# name -> (prompts per iteration, answers per prompt, max new tokens, micro-batch of TRL's step, the
+# tokens of our packed micro-batch). A pack holds about the tokens of TRL's padded micro-batch where
+# that is larger than 4096: 32 answers x (14 prompt + 256) = 8,640 at the long size. At the large
+# size TRL's micro-batch holds 32 x (14 + 64) = 2,496 and at the small one 8 x 22 = 176.
+SIZES = {"small": (8, 8, 8, 8, 4096), "large": (64, 8, 64, 32, 4096), "long": (64, 8, 256, 32, 8192)}
 CPU = [
     "model.dtype=float32",
     "rollout.device=cpu",
@@ -53,7 +57,6 @@ CPU = [
     "train.fused_kernels=false",
     "train.loss_compile=false",
     "train.loss_chunk_tokens=0",
-    "train.pack_tokens=4096",  # about TRL's micro-batch of 32 answers in tokens (the GPU config packs 16k)
 ]
 
 
@@ -114,7 +117,7 @@ def run_measured(
 
 
 def one_pair(size: str, pair: int, args: argparse.Namespace, env: dict[str, str]) -> dict[str, Any]:
-    prompts, group, tokens, micro = SIZES[size]
+    prompts, group, tokens, micro, pack = SIZES[size]
     out = args.out / f"{size}-{pair}"
     shutil.rmtree(out, ignore_errors=True)  # a run left by an earlier invocation would only be read back
     trl, trl_wall, trl_rss, trl_pss, _ = run_measured(
@@ -128,7 +131,7 @@ def one_pair(size: str, pair: int, args: argparse.Namespace, env: dict[str, str]
         [str(PROJECT_PYTHON), "-m", "benchmarks.gpu.pipeline_run", "--shape", args.shape, "--vocab", str(args.vocab)]
         + ["--out", str(out / "ours"), "--iterations", str(args.iterations), *CPU]
         + [f"data.prompts_per_iteration={prompts}", f"rollout.group_size={group}"]
-        + [f"rollout.max_new_tokens={tokens}", f"rollout.batch_size={prompts * group}"],
+        + [f"rollout.max_new_tokens={tokens}", f"rollout.batch_size={prompts * group}", f"train.pack_tokens={pack}"],
         env=env,
         log=out.with_suffix(".ours.log"),
         count_root=False,
@@ -211,7 +214,7 @@ def main() -> None:
             for k in mine[0]
             if k not in ("size", "pair", "ours_pss_by_process_gib")
         }
-        prompts, group, tokens, _ = SIZES[size]
+        prompts, group, tokens, *_ = SIZES[size]
         print(
             f"| {prompts} × {group}, ≤ {tokens} new tokens | {med['trl_s']:.2f} | {med['ours_s']:.2f} | "
             f"**{med['ours_s'] / med['trl_s']:.2f}** | {med['ours_compute_s']:.2f} | {med['outside_stages_share']:.1%} | "
@@ -224,7 +227,7 @@ def main() -> None:
     )
     print("|---|---|---|---|---|")
     for size, med in medians.items():
-        prompts, group, tokens, _ = SIZES[size]
+        prompts, group, tokens, *_ = SIZES[size]
         trl_rest = med["trl_s"] - med["trl_generate_s"] - med["trl_teacher_s"]
         print(
             f"| {prompts} × {group}, ≤ {tokens} new tokens | {med['trl_generate_s']:.2f} / {med['ours_rollout_s']:.2f} | "
