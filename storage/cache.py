@@ -321,14 +321,15 @@ def evict_least_recently_used(cache_dir: Path, *, max_bytes: int, keep: Path | N
 
 def download_checkpoint_files(
     layout: RunLayout,
-    ref: str | int,
+    ref: str | int | Manifest,
     kind: str = "policy",
     *,
     include: Callable[[str], bool],
     cache_dir: str | os.PathLike[str],
     verify: bool = True,
 ) -> Path:
-    """Local folder holding only the files of checkpoint `ref` whose names pass `include`.
+    """Local folder holding only the files of checkpoint `ref` whose names pass `include`; `ref` may
+    be the checkpoint's manifest, already read (then `kind` is not used).
 
     For readers that need part of a checkpoint (a tokenizer without the weights). The folder is
     named by its content, `<cache_dir>/files-<digest of the chosen names and their sha256>/`, so
@@ -337,11 +338,11 @@ def download_checkpoint_files(
     files match the manifest (sha256 when `verify`); fails when `include` keeps no file. Eviction
     never touches it: there is one per distinct set of files.
     """
-    manifest = resolve_checkpoint(layout, ref, kind)
+    manifest = ref if isinstance(ref, Manifest) else resolve_checkpoint(layout, ref, kind)
     entries = [e for e in manifest.data["files"] if include(e["name"])]
     if not entries:
         names = [e["name"] for e in manifest.data["files"]][:8]
-        raise FileNotFoundError(f"checkpoint {kind} of {ref} has no file that `include` keeps; files: {names}")
+        raise FileNotFoundError(f"checkpoint {manifest.path} has no file that `include` keeps; files: {names}")
     content = "".join(f"{e['name']}\0{e['sha256']}\n" for e in sorted(entries, key=lambda e: e["name"]))
     target = Path(cache_dir) / f"{PARTIAL_PREFIX}{hashlib.sha256(content.encode()).hexdigest()}"
     for entry in entries:

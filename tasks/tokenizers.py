@@ -19,7 +19,10 @@ import threading
 from collections import OrderedDict
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from storage.manifest import Manifest
 
 _KEEP = 4  # distinct tokenizers kept per process (runs side by side in one process)
 _LOCK = threading.Lock()
@@ -64,21 +67,17 @@ def checkpoint_tokenizer(folder: Path, manifest: Mapping[str, Any] | None) -> An
         return tokenizer
 
 
-def stored_tokenizer(
-    layout: Any, ref: str | int, kind: str, *, cache_dir: str | os.PathLike[str], verify: bool = True
-) -> Any:
-    """The tokenizer of stored checkpoint `kind` of `ref` (a `storage.layout.RunLayout`'s): the one
-    this process keeps for its files, else built from the checkpoint's `tokenizer_file`s, which are
-    fetched into the cache without the weights."""
+def stored_tokenizer(layout: Any, manifest: Manifest, *, cache_dir: str | os.PathLike[str], verify: bool = True) -> Any:
+    """The tokenizer of the stored checkpoint whose manifest is `manifest` (in `layout`, a
+    `storage.layout.RunLayout`): the one this process keeps for its files, else built from the
+    checkpoint's `tokenizer_file`s, which are fetched into the cache without the weights."""
     from storage.cache import download_checkpoint_files
-    from storage.checkpoints import resolve_checkpoint
 
-    manifest = resolve_checkpoint(layout, ref, kind)
     with _LOCK:
         tokenizer = _kept(_key(manifest))
     if tokenizer is not None:
         return tokenizer
-    folder = download_checkpoint_files(layout, ref, kind, include=tokenizer_file, cache_dir=cache_dir, verify=verify)
+    folder = download_checkpoint_files(layout, manifest, include=tokenizer_file, cache_dir=cache_dir, verify=verify)
     return checkpoint_tokenizer(folder, manifest)
 
 

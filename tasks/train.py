@@ -161,7 +161,7 @@ def run_train(root: str, run_name: str, iteration: int) -> dict | None:
     # the policy's tokenizer files are the previous policy's: from the tokenizer this process keeps,
     # else fetched without the previous policy's weights, which this stage never reads
     tokenizer = stored_tokenizer(
-        run.layout, iteration - 1, "policy", cache_dir=cfg.storage.cache_dir, verify=cfg.storage.verify_sha256
+        run.layout, previous, cache_dir=cfg.storage.cache_dir, verify=cfg.storage.verify_sha256
     )
     # Rank 0 uploads each checkpoint on a thread of its own while the stage goes on: the policy
     # while the EMA teacher is computed, the teacher while the full state is saved. Each upload

@@ -61,7 +61,7 @@ def check_replay(run: Run, trainer: MegatronTrainer, iteration: int) -> None:
     """Fail when replaying `iteration` did not reproduce the policy weights it committed."""
     import torch
 
-    from storage.checkpoints import read_checkpoint_manifest
+    from storage.checkpoints import read_checkpoint_manifest, resolve_checkpoint
     from storage.objects import sha256_local_file
     from storage.scratch import scratch_dir
     from tasks.kept_weights import WEIGHTS_FILE
@@ -70,7 +70,8 @@ def check_replay(run: Run, trainer: MegatronTrainer, iteration: int) -> None:
     stored = {e["name"]: e["sha256"] for e in read_checkpoint_manifest(run.layout, iteration, "policy").data["files"]}
     storage = run.cfg.storage
     with scratch_dir(storage.cache_dir, "replay") as tmp:
-        base = stored_tokenizer(run.layout, 0, "policy", cache_dir=storage.cache_dir, verify=storage.verify_sha256)
+        base_manifest = resolve_checkpoint(run.layout, 0, "policy")
+        base = stored_tokenizer(run.layout, base_manifest, cache_dir=storage.cache_dir, verify=storage.verify_sha256)
         trainer.save_hf(tmp, base)  # collective; rank 0 writes
         if torch.distributed.get_rank() != 0:
             return

@@ -37,10 +37,12 @@ _GROUP_COLUMNS = (
 def policy_tokenizer(data: RunData, n: int) -> Any:
     """The tokenizer of the policy that sampled iteration n (checkpoint n - 1), fetched without the
     checkpoint's weights."""
+    from storage.checkpoints import resolve_checkpoint
     from tasks.tokenizers import stored_tokenizer
 
     cfg = data.run.cfg.storage
-    return stored_tokenizer(data.layout, n - 1, "policy", cache_dir=cfg.cache_dir, verify=cfg.verify_sha256)
+    manifest = resolve_checkpoint(data.layout, n - 1, "policy")
+    return stored_tokenizer(data.layout, manifest, cache_dir=cfg.cache_dir, verify=cfg.verify_sha256)
 
 
 def _round(values: np.ndarray, digits: int = 4) -> list[float | None]:
