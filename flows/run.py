@@ -21,6 +21,15 @@ from tasks.allocator import keep_freed_heap
 logger = logging.getLogger(__name__)
 
 
+def import_libraries(cfg: Any) -> None:
+    """Import what a run of `cfg` will import in this process, frozen out of the collector's way
+    (`tasks.preload`): the libraries of the stages it keeps here and MLflow when tracking. The CLI
+    calls it while Prefect's ephemeral server starts."""
+    from tasks.preload import import_frozen, stage_imports
+
+    import_frozen(stage_imports(cfg) + (["mlflow"] if cfg.tracking.enabled else []))
+
+
 @flow(name="sdpo-run", log_prints=False)
 def sdpo_run(
     config_path: str | None = None,

@@ -12,9 +12,13 @@ from flows.cli.app import app
 
 def main() -> None:
     from tasks.allocator import keep_freed_heap
+    from tasks.preload import freeze_for_exit
 
     keep_freed_heap()  # before any tensor work of this process (a stage process starts here too)
-    app()
+    try:
+        app()
+    finally:
+        freeze_for_exit()  # the interpreter's collections at exit skip what the command built
 
 
 __all__ = ["app", "main"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -55,7 +56,7 @@ def setup_logging(verbose: bool) -> Any:
 
 
 @contextlib.contextmanager
-def prefect_local_mode(run_name: str):
+def prefect_local_mode(run_name: str, *, meanwhile: Callable[[], Any] | None = None):
     """Without PREFECT_API_URL, run on Prefect's ephemeral server and skip flow heartbeats.
 
     Each run gets its own Prefect home (.sdpo/prefect/<run>) unless PREFECT_HOME is set: two
@@ -63,8 +64,15 @@ def prefect_local_mode(run_name: str):
     with its baseline means running both at once. A new home starts from a migrated database
     (`flows.prefect_home`). Heartbeats exist to spot crashed runs on a real
     server; locally they only add a second of join time to every flow run.
+
+    `meanwhile` (the imports the run will need) runs before the block. The ephemeral server is a
+    process of its own that takes seconds to start (it imports Prefect's server and opens its
+    database); it is started on a thread first, so that `meanwhile` runs while it starts, and the
+    block's first Prefect call finds it up. A server that fails to start raises here.
     """
     if os.environ.get("PREFECT_API_URL"):
+        if meanwhile is not None:
+            meanwhile()
         yield
         return
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
@@ -80,7 +88,23 @@ def prefect_local_mode(run_name: str):
     from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
 
     with temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
+        if meanwhile is not None:
+            _start_ephemeral_server_during(meanwhile)
         yield
+
+
+def _start_ephemeral_server_during(work: Callable[[], Any]) -> None:
+    """Start Prefect's ephemeral server on a thread while `work` runs here; returns once both are
+    done, raising either's error. Without PREFECT_API_URL `prefect.get_client` starts this same
+    instance (`SubprocessASGIServer()` is one per process) and finds it running."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from prefect.server.api.server import SubprocessASGIServer
+
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefect-server-start") as pool:
+        started = pool.submit(SubprocessASGIServer().start)
+        work()
+        started.result()
 
 
 def fail(message: str | None) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Annotated
 
 import typer
@@ -35,11 +36,14 @@ def run(
     log_console = setup_logging(verbose)
     cfg = load_checked(config, overrides)
     from flows.progress import iteration_progress
-    from flows.run import sdpo_run
+    from flows.run import import_libraries, sdpo_run
     from tasks.runtime import run_layout
     from tasks.tracking.summary import render_table
 
-    with prefect_local_mode(cfg.name), iteration_progress(run_layout(cfg), cfg.iterations, log_console):
+    with (
+        prefect_local_mode(cfg.name, meanwhile=partial(import_libraries, cfg)),
+        iteration_progress(run_layout(cfg), cfg.iterations, log_console),
+    ):
         summary = sdpo_run(str(config), list(overrides or []), allow_config_change, force_unlock)
     console = Console()
     console.print(render_table(summary))
@@ -62,8 +66,9 @@ def advance(
     setup_logging(verbose)
     cfg = load_checked(config, overrides)
     from flows.iteration import sdpo_advance
+    from flows.run import import_libraries
 
-    with prefect_local_mode(cfg.name):
+    with prefect_local_mode(cfg.name, meanwhile=partial(import_libraries, cfg)):
         state = sdpo_advance(str(config), list(overrides or []), allow_config_change, force_unlock, return_state=True)
     if state.is_cancelled():
         fail(state.message)

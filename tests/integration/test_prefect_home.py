@@ -3,6 +3,7 @@ an existing database is never replaced, and the ephemeral server runs flows on t
 
 from __future__ import annotations
 
+import json
 import os
 import sqlite3
 import subprocess
@@ -99,3 +100,66 @@ def test_an_unwritable_cache_leaves_the_database_to_prefect(tmp_path, monkeypatc
     monkeypatch.delenv("PREFECT_API_DATABASE_CONNECTION_URL", raising=False)
     assert not prefect_home.seed_home(tmp_path / "home")
     assert not (tmp_path / "home" / "prefect.db").exists()
+
+
+LOCAL_MODE = """
+import json, sys, time
+from prefect import flow
+from prefect.server.api.server import SubprocessASGIServer
+from flows.cli.app import prefect_local_mode
+
+seen = {}
+
+def meanwhile():
+    seen["meanwhile_ran"] = True
+    if sys.argv[1] == "fail":
+        return
+    # the server's process is started by another thread while this runs
+    deadline = time.monotonic() + 120
+    while SubprocessASGIServer().server_process is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    seen["server_process_while_importing"] = SubprocessASGIServer().server_process is not None
+
+if sys.argv[1] == "fail":
+    def refuse(self, timeout=None):
+        raise RuntimeError("the ephemeral server did not start")
+    SubprocessASGIServer.start = refuse
+
+@flow
+def where():
+    from prefect.context import get_run_context
+    return get_run_context().client.api_url
+
+try:
+    with prefect_local_mode("overlap", meanwhile=meanwhile):
+        seen["api_url"] = str(where())
+except RuntimeError as err:
+    seen["error"] = str(err)
+seen["servers"] = [s.api_url for s in SubprocessASGIServer._instances.values()]
+print(json.dumps(seen))
+"""
+
+
+@pytest.mark.parametrize("outcome", ["start", "fail"])
+def test_the_ephemeral_server_starts_while_the_run_imports_and_its_failure_surfaces(cache, tmp_path, outcome):
+    """`prefect_local_mode(meanwhile=...)` starts Prefect's ephemeral server on a thread while
+    `meanwhile` (the run's imports) runs; the block's flow then runs on that same server, the one
+    server of the process. A server that cannot start fails the block after `meanwhile` ran."""
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "home")}
+    env.pop("PREFECT_API_URL", None)
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(LOCAL_MODE), outcome],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    if outcome == "fail":
+        assert seen["error"] == "the ephemeral server did not start"
+        assert seen["meanwhile_ran"] and "api_url" not in seen
+        return
+    assert seen["server_process_while_importing"] is True
+    assert len(seen["servers"]) == 1
+    assert seen["api_url"].rstrip("/") == seen["servers"][0].rstrip("/")

@@ -43,3 +43,28 @@ def test_invalid_config_names_the_field_and_exits_2():
     result = runner.invoke(app, ["validate", str(REPO / "configs" / "demo.yaml"), "loss.divergence=sampled_token"])
     assert result.exit_code == 2
     assert "loss" in result.output and "alpha=1" in result.output
+
+
+@pytest.mark.parametrize("ending", ["exit", "error"])
+def test_a_command_ends_with_its_objects_frozen_for_the_interpreters_exit(monkeypatch, ending):
+    """`main` freezes every live object after the command, returned or raised: the interpreter's
+    collections at exit then skip what the command built (seconds for a process that trained)."""
+    import gc
+    import sys
+
+    import flows.cli
+
+    def command() -> None:
+        if ending == "error":
+            raise RuntimeError("the command failed")
+        sys.exit(0)
+
+    monkeypatch.setattr(flows.cli, "app", command)
+    gc.unfreeze()
+    try:
+        with pytest.raises(SystemExit if ending == "exit" else RuntimeError):
+            flows.cli.main()
+        assert gc.get_freeze_count() > 10_000
+        assert not any(isinstance(o, type(command)) and o is command for o in gc.get_objects())
+    finally:
+        gc.unfreeze()
