@@ -10,7 +10,10 @@ benchmark model on a 2-core machine), later ones every so often during the run, 
 the interpreter exits.
 
 `import_frozen` imports with the collector paused, then moves every object alive into the
-permanent generation (`gc.freeze`), which no collection traverses. `freeze_for_exit` does the same
+permanent generation (`gc.freeze`), which no collection traverses. `sdpo run` and `sdpo advance`
+call it for the stages they keep in process (`stage_imports`) while Prefect's server starts; a
+stage process (`sdpo stage`, started by the subprocess and torchrun launchers) for its own stage
+(`imports_of`). `freeze_for_exit` does the same
 just before a process ends, so the interpreter's last collections skip what the process built
 (about 2 s at the end of every `sdpo` process that trained). What is frozen is never collected:
 cyclic garbage alive at that moment stays until the process ends, as everything frozen would.
@@ -31,23 +34,25 @@ HF_MODEL = ("torch", "transformers.modeling_utils")
 MEGATRON_MODEL = ("torch", "megatron.core", "megatron.core.optimizer", "megatron.core.distributed")
 
 
-def stage_imports(cfg: Any) -> list[str]:
-    """The modules the stages that `cfg.launch` keeps in this process will import, in import order.
+def imports_of(stage: str, cfg: Any) -> list[str]:
+    """The modules stage `stage` of a run of `cfg` imports. Rollout and evaluation on SGLang only
+    talk HTTP; on the embedded engine they load an HF model, as the default teacher scorer does."""
+    if stage in ("rollout", "eval"):
+        return list(HF_MODEL) if cfg.rollout.engine == "embedded" else []
+    if stage == "teacher":
+        return list(MEGATRON_MODEL if cfg.teacher.backend == "megatron" else HF_MODEL)
+    if stage == "train":
+        return list(MEGATRON_MODEL)
+    return []  # prepare-base and commit copy files and manifests
 
-    A stage launched elsewhere imports nothing here. Rollout and evaluation on SGLang only talk
-    HTTP; on the embedded engine they load an HF model, as the default teacher scorer does.
-    """
-    here = {s for s in ("rollout", "teacher", "train", "eval") if getattr(cfg.launch, s).launcher == "inprocess"}
-    needs: list[str] = []
-    if "rollout" in here and cfg.rollout.engine == "embedded":
-        needs += HF_MODEL
-    if "eval" in here and cfg.eval.enabled and cfg.rollout.engine == "embedded":
-        needs += HF_MODEL
-    if "teacher" in here:
-        needs += MEGATRON_MODEL if cfg.teacher.backend == "megatron" else HF_MODEL
-    if "train" in here:
-        needs += MEGATRON_MODEL
-    return list(dict.fromkeys(needs))
+
+def stage_imports(cfg: Any) -> list[str]:
+    """The modules the stages that `cfg.launch` keeps in this process will import, in import order;
+    a stage launched elsewhere imports nothing here."""
+    here = [s for s in ("rollout", "teacher", "train", "eval") if getattr(cfg.launch, s).launcher == "inprocess"]
+    if not cfg.eval.enabled:
+        here = [s for s in here if s != "eval"]
+    return list(dict.fromkeys(name for stage in here for name in imports_of(stage, cfg)))
 
 
 def import_frozen(names: list[str]) -> None:

@@ -106,11 +106,15 @@ def stage_command(
     """Run one stage of one iteration as a process: read its inputs from the store, write its outputs
     and manifest there. The stage launchers start this (under torchrun too); so can any scheduler."""
     from tasks.launch import STAGES, register_stage_options, run_stage
+    from tasks.preload import import_frozen, imports_of
+    from tasks.runtime import open_run
 
     if name not in STAGES:
         fail(f"unknown stage {name!r}; stages are {', '.join(STAGES)}")
     setup_logging(verbose)
     register_stage_options(root)
+    # the stage's libraries first, with the collector paused and then frozen (tasks/preload.py)
+    import_frozen(imports_of(name, open_run(root, run_name).cfg))
     run_stage(name, root, run_name, iteration)
 
 

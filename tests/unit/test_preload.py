@@ -92,3 +92,28 @@ def test_imports_run_with_the_collector_paused_and_end_frozen(tmp_path):
     assert seen["collecting_after"] is True
     assert seen["nodes_tracked"] == 0
     assert seen["frozen"] >= 1000
+
+
+@pytest.mark.parametrize(
+    ("stage", "expected"),
+    [("train", list(MEGATRON_MODEL)), ("rollout", list(HF_MODEL)), ("commit", [])],
+)
+def test_a_stage_process_imports_its_stages_libraries_frozen_before_the_stage(monkeypatch, stage, expected):
+    """`sdpo stage NAME` (what the subprocess and torchrun launchers start) imports NAME's libraries
+    through `import_frozen` first, then runs the stage."""
+    from types import SimpleNamespace
+
+    from typer.testing import CliRunner
+
+    import tasks.launch
+    import tasks.preload
+    import tasks.runtime
+    from flows.cli import app
+
+    calls: list[tuple[str, object]] = []
+    monkeypatch.setattr(tasks.runtime, "open_run", lambda root, run: SimpleNamespace(cfg=build_config({})))
+    monkeypatch.setattr(tasks.preload, "import_frozen", lambda names: calls.append(("imports", names)))
+    monkeypatch.setattr(tasks.launch, "run_stage", lambda *args: calls.append(("stage", args)))
+    result = CliRunner().invoke(app, ["stage", stage, "--root", "/nowhere", "--run-name", "r", "--iteration", "1"])
+    assert result.exit_code == 0, result.output
+    assert calls == [("imports", expected), ("stage", (stage, "/nowhere", "r", 1))]
