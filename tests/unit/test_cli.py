@@ -68,3 +68,12 @@ def test_a_command_ends_with_its_objects_frozen_for_the_interpreters_exit(monkey
         assert not any(isinstance(o, type(command)) and o is command for o in gc.get_objects())
     finally:
         gc.unfreeze()
+
+
+def test_the_installed_command_starts_in_main():
+    """The `sdpo` console script enters through `flows.cli.main`, as `python -m flows.cli` does, so
+    the heap settings and the freeze before exit apply to what users run too."""
+    import tomllib
+
+    scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["sdpo"] == "flows.cli:main"
