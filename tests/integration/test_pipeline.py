@@ -28,7 +28,9 @@ def test_two_iterations_commit_shards_checkpoints_and_metrics(tmp_path, prefect_
     from storage.shard_reader import read_stage_columns
 
     config = write_config(tmp_path, "tiny", tracking={"register_model": "tiny-policy", "log_model": True})
-    monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "1")
+    # MLflow's monitor publishes a sample only after one interval; with the libraries already
+    # imported by earlier tests of the process, the whole run can take about a second
+    monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "0.1")
     summary = sdpo_run(str(config), [])
 
     layout = RunLayout(str(tmp_path / "runs"), "tiny")
