@@ -13,10 +13,10 @@ the interpreter exits.
 permanent generation (`gc.freeze`), which no collection traverses. `sdpo run` and `sdpo advance`
 call it for the stages they keep in process (`stage_imports`) while Prefect's server starts; a
 stage process (`sdpo stage`, started by the subprocess and torchrun launchers) for its own stage
-(`imports_of`). `freeze_for_exit` does the same
-just before a process ends, so the interpreter's last collections skip what the process built
-(about 2 s at the end of every `sdpo` process that trained). What is frozen is never collected:
-cyclic garbage alive at that moment stays until the process ends, as everything frozen would.
+(`imports_of`). `freeze_for_exit` does the same just before a process ends, so the interpreter's
+last collections skip what the process built (about 2 s at the end of every `sdpo` process that
+trained). What is frozen is never collected: cyclic garbage alive at that moment stays until the
+process ends, as everything frozen would.
 """
 
 from __future__ import annotations
