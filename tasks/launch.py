@@ -97,6 +97,17 @@ def run_stage(stage: str, root: str, run: str, iteration: int) -> Any:
         return STAGE_BODIES[stage](root, run, iteration)
 
 
+def leave_process_group() -> None:
+    """End this process's part in torch.distributed, if a stage body joined it (training and
+    Megatron scoring do, under torchrun and in a world of one): every rank of a torchrun stage calls
+    this once its body returned, before the interpreter exits (`tasks.megatron.parallel`)."""
+    distributed = sys.modules.get("torch.distributed")  # a process that never imported it has no group
+    if distributed is not None and distributed.is_available() and distributed.is_initialized():
+        from tasks.megatron.parallel import destroy_parallel
+
+        destroy_parallel()
+
+
 def stage_command(stage: str, root: str, run: str, iteration: int, spec: Mapping[str, Any]) -> list[str]:
     """The command line that runs the stage as a process under `spec` (a `StageLaunch` as a dict)."""
     # `--run-name`, not `--run`: torchrun's parser would take `--run` for its own `--run-path`

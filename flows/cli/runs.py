@@ -105,7 +105,7 @@ def stage_command(
 ) -> None:
     """Run one stage of one iteration as a process: read its inputs from the store, write its outputs
     and manifest there. The stage launchers start this (under torchrun too); so can any scheduler."""
-    from tasks.launch import STAGES, register_stage_options, run_stage
+    from tasks.launch import STAGES, leave_process_group, register_stage_options, run_stage
     from tasks.preload import import_frozen, imports_of
     from tasks.runtime import open_run
 
@@ -116,6 +116,7 @@ def stage_command(
     # the stage's libraries first, with the collector paused and then frozen (tasks/preload.py)
     import_frozen(imports_of(name, open_run(root, run_name).cfg))
     run_stage(name, root, run_name, iteration)
+    leave_process_group()
 
 
 @app.command("eval")

@@ -100,9 +100,16 @@ def init_parallel(*, tensor_parallel: int = 1, seed: int) -> ParallelLayout:
 
 
 def destroy_parallel() -> None:
-    """Tear down Megatron's groups and the process group (safe to call when not initialised)."""
+    """Tear down Megatron's groups and the process group (safe to call when not initialised).
+
+    The ranks meet at a barrier first, so none tears its groups down while another still uses them.
+    A process that exits with a gloo group still up can abort in the group's destructor
+    ("terminate called without an active exception"), so a torchrun rank calls this before it ends.
+    """
     from megatron.core import parallel_state
 
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     if dist.is_initialized():

@@ -212,3 +212,52 @@ def test_a_stage_process_past_its_timeout_is_killed_and_the_stage_fails(tmp_path
     assert not stage_done(layout, 1, "rollout")
     ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
     assert str(tmp_path / "slow") not in ps  # no stage process left running
+
+
+_GROUP_PROBE = """
+import types
+
+import torch
+import torch.distributed as dist
+
+import tasks.launch
+import tasks.preload
+import tasks.runtime
+from flows.cli import app
+
+
+def body(stage, root, run, iteration):
+    dist.init_process_group("gloo")  # torchrun's env:// rendezvous, as a training stage joins it
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    print(f"rank {dist.get_rank()}: sum {int(total)}", flush=True)
+
+
+tasks.runtime.open_run = lambda root, run: types.SimpleNamespace(cfg=None)  # no run to read: the body needs none
+tasks.preload.imports_of = lambda name, cfg: []
+tasks.launch.run_stage = body
+try:
+    app(["stage", "train", "--root", "/nowhere", "--run-name", "r", "--iteration", "1"])
+except SystemExit as done:
+    assert done.code in (0, None), done.code
+print(f"group up after the stage: {dist.is_initialized()}", flush=True)
+"""
+
+
+def test_every_torchrun_rank_of_a_stage_leaves_its_process_group_before_exiting(tmp_path):
+    """`sdpo stage` tears the stage body's process group down (a barrier, then Megatron's groups and
+    torch.distributed's) before the interpreter exits: a rank that exits with a gloo group up can
+    abort in its destructor."""
+    probe = tmp_path / "probe.py"
+    probe.write_text(_GROUP_PROBE)
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(probe)],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.stdout.count(": sum 2") == 2, done.stdout
+    assert done.stdout.count("group up after the stage: False") == 2, done.stdout

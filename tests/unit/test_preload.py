@@ -100,7 +100,7 @@ def test_imports_run_with_the_collector_paused_and_end_frozen(tmp_path):
 )
 def test_a_stage_process_imports_its_stages_libraries_frozen_before_the_stage(monkeypatch, stage, expected):
     """`sdpo stage NAME` (what the subprocess and torchrun launchers start) imports NAME's libraries
-    through `import_frozen` first, then runs the stage."""
+    through `import_frozen` first, then runs the stage, then leaves torch.distributed."""
     from types import SimpleNamespace
 
     from typer.testing import CliRunner
@@ -114,6 +114,7 @@ def test_a_stage_process_imports_its_stages_libraries_frozen_before_the_stage(mo
     monkeypatch.setattr(tasks.runtime, "open_run", lambda root, run: SimpleNamespace(cfg=build_config({})))
     monkeypatch.setattr(tasks.preload, "import_frozen", lambda names: calls.append(("imports", names)))
     monkeypatch.setattr(tasks.launch, "run_stage", lambda *args: calls.append(("stage", args)))
+    monkeypatch.setattr(tasks.launch, "leave_process_group", lambda: calls.append(("leave", None)))
     result = CliRunner().invoke(app, ["stage", stage, "--root", "/nowhere", "--run-name", "r", "--iteration", "1"])
     assert result.exit_code == 0, result.output
-    assert calls == [("imports", expected), ("stage", (stage, "/nowhere", "r", 1))]
+    assert calls == [("imports", expected), ("stage", (stage, "/nowhere", "r", 1)), ("leave", None)]

@@ -17,6 +17,7 @@ def main() -> None:
     import torch
     import torch.distributed as dist
 
+    from tasks.megatron.parallel import destroy_parallel
     from tasks.megatron.scorer import MegatronTeacherScorer
 
     hf_dir, inputs, out = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
@@ -33,6 +34,7 @@ def main() -> None:
     )
     if dist.get_rank() == 0:
         out.write_bytes(pickle.dumps([(s.topk_logprobs, s.sampled_logprobs) for s in scores]))
+    destroy_parallel()  # every rank leaves its groups before exiting (tasks/megatron/parallel.py)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from tasks.config import build_config
+    from tasks.megatron.parallel import destroy_parallel
     from tasks.megatron.trainer import MegatronTrainer
 
     hf_dir, columns_path, out_dir = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
@@ -41,6 +42,7 @@ def main() -> None:
         trainer.save_hf(out_dir / "hf", AutoTokenizer.from_pretrained(hf_dir))
     if dist.get_rank() == 0:
         (out_dir / "metrics.json").write_text(json.dumps({**metrics, "weights_sha256": weights_digest(trainer)}))
+    destroy_parallel()  # every rank leaves its groups before exiting (tasks/megatron/parallel.py)
 
 
 def weights_digest(trainer) -> str:
