@@ -172,7 +172,7 @@ def complete_iteration(
         tracker.log_samples(n, samples)
         publish_iteration(run, tracker, n, metrics, samples)
     if ran or n == cfg.iterations:
-        apply_retention(run)
+        apply_retention(run, after_commit=True)
     return metrics, ran
 
 

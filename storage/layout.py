@@ -43,6 +43,7 @@ LAYOUT_VERSION = 1
 STAGES = ("rollout", "teacher", "train", "eval", "baseline", "discovery")
 CHECKPOINT_KINDS = ("policy", "teacher", "megatron")
 MANIFEST_NAME = "_manifest.json"
+TOMBSTONE_NAME = "_pruned.json"
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _ITER_DIR = re.compile(r"^iter-(0|[1-9][0-9]*)$")
 # Credential-looking keys refused in a run config: run.json is readable by anyone who reads the run.
@@ -173,12 +174,36 @@ class RunLayout:
 
     def checkpoint_tombstone(self, n: int, kind: str) -> str:
         """Written when retention removes the checkpoint's files (its manifest stays)."""
-        return join(self.checkpoint_dir(n, kind), "_pruned.json")
+        return join(self.checkpoint_dir(n, kind), TOMBSTONE_NAME)
+
+    @property
+    def retention_record(self) -> str:
+        """Where the last retention pass left off (storage/retention.py); derivable from the checkpoints."""
+        return join(self.checkpoints_dir, "_retention.json")
 
     def checkpoint_iterations(self) -> list[int]:
         """Iterations that have a checkpoint directory, ascending."""
         names = self.store.list_dirs(self.checkpoints_dir)
         return sorted(int(m.group(1)) for m in map(_ITER_DIR.match, names) if m)
+
+    def checkpoint_inventory(self) -> dict[tuple[int, str], set[str]]:
+        """Every checkpoint directory from one recursive listing (a few requests on S3, however long the
+        run): (iteration, kind) -> which of "manifest", "tombstone" and "files" (any file under
+        `files/`) it holds."""
+        store = self.store
+        prefix = store.path(self.checkpoints_dir).rstrip("/") + "/"
+        inventory: dict[tuple[int, str], set[str]] = {}
+        for url in store.list_files(self.checkpoints_dir):
+            parts = store.path(url)[len(prefix) :].split("/")
+            match = _ITER_DIR.match(parts[0])
+            if not match or len(parts) < 3 or parts[1] not in CHECKPOINT_KINDS:
+                continue
+            entry = {MANIFEST_NAME: "manifest", TOMBSTONE_NAME: "tombstone"}.get(parts[2])
+            if parts[2] == "files" and len(parts) > 3:
+                entry = "files"
+            if entry is not None:
+                inventory.setdefault((int(match.group(1)), parts[1]), set()).add(entry)
+        return inventory
 
 
 def iteration_name(n: int) -> str:

@@ -13,6 +13,10 @@ policy and teacher (the next rollout and teacher) and, with a staleness k (`pipe
 the k before them (the next k+1 iterations sample from and are scored by LATEST-k .. LATEST), and the
 last full training state at or before LATEST (with the teacher shards after it, which are never
 pruned, it restores the trainer exactly).
+
+`apply` decides every checkpoint from one listing of the checkpoints (`sdpo gc`); the flow's pass
+after each commit, `apply_after_commit`, decides only what can have changed since the previous
+pass, so its cost does not grow with the run (`RunLayout.retention_record`).
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from typing import Any
 
 from storage.errors import NotCommittedError
 from storage.layout import CHECKPOINT_KINDS, RunLayout
@@ -30,6 +35,8 @@ from storage.provenance import utc_now
 logger = logging.getLogger(__name__)
 
 RESUMABLE_KINDS = ("megatron",)
+NEEDED = "needed to resume or for the next iteration"
+_RECORD_VERSION = 1
 
 
 class PrunedCheckpointError(NotCommittedError):
@@ -73,62 +80,78 @@ def check_not_pruned(layout: RunLayout, n: int, kind: str) -> None:
         )
 
 
-def _committed(layout: RunLayout, kind: str, latest: int) -> list[int]:
-    return [
-        n
-        for n in layout.checkpoint_iterations()
-        if n <= latest and layout.store.exists(layout.checkpoint_manifest(n, kind))
-    ]
-
-
-def protected(layout: RunLayout, latest: int, *, staleness: int = 0) -> set[tuple[int, str]]:
-    """What a resume or the next iterations read (see the module doc)."""
+def protected(committed: dict[str, list[int]], latest: int, *, staleness: int = 0) -> set[tuple[int, str]]:
+    """What a resume or the next iterations read (see the module doc); `committed` lists, by kind,
+    the committed checkpoints up to LATEST that still hold their files, ascending."""
     keep = {(0, "policy")}
     keep |= {(n, kind) for n in range(max(0, latest - staleness), latest + 1) for kind in ("policy", "teacher")}
-    full = [n for n in _committed(layout, "megatron", latest) if not is_pruned(layout, n, "megatron")]
-    if full:
-        keep.add((max(full), "megatron"))
+    if committed.get("megatron"):
+        keep.add((max(committed["megatron"]), "megatron"))
     return keep
 
 
-def plan(
-    layout: RunLayout,
+def _decide(
+    committed: dict[str, list[int]],
+    latest: int,
     *,
     resumable: KeepRule,
     weights: KeepRule,
     eval_metric: Callable[[int, str], float | None],
-    staleness: int = 0,
-) -> list[Decision]:
-    """A decision for every committed, not yet pruned checkpoint up to LATEST."""
-    latest = read_latest(layout)
-    if latest is None:
-        return []
-    guard = protected(layout, latest, staleness=staleness)
+    staleness: int,
+    best_so_far: dict[str, tuple[float, int] | None] | None = None,
+) -> tuple[list[tuple[int, str, bool, str]], dict[str, tuple[float, int] | None]]:
+    """(iteration, kind, keep, reason) for every checkpoint in `committed` (by kind, ascending: the
+    ones still holding their files), and the best (value, iteration) per kind where a rule ranks.
+
+    `best_so_far` carries the best of checkpoints not listed (an incremental pass lists only the
+    ones whose decision can change); the listed ones are ranked against it."""
+    guard = protected(committed, latest, staleness=staleness)
     decisions = []
+    bests: dict[str, tuple[float, int] | None] = {}
     for kind in CHECKPOINT_KINDS:
         rule = resumable if kind in RESUMABLE_KINDS else weights
-        present = [n for n in _committed(layout, kind, latest) if not is_pruned(layout, n, kind)]
+        present = committed.get(kind, [])
         last = set(present[-rule.last :]) if rule.last else set()
         best = None
         if rule.best is not None:
             scored = [(value, n) for n in present if (value := eval_metric(n, rule.best)) is not None]
-            best = max(scored)[1] if scored else None
+            earlier = (best_so_far or {}).get(kind)
+            scored += [earlier] if earlier is not None else []
+            best = max(scored) if scored else None
+            bests[kind] = best
         for n in present:
             if (n, kind) in guard:
-                keep, reason = True, "needed to resume or for the next iteration"
+                keep, reason = True, NEEDED
             elif rule.keeps_all:
                 keep, reason = True, "no retention rule"
             elif n in last:
                 keep, reason = True, f"among the last {rule.last}"
             elif rule.every and n % rule.every == 0:
                 keep, reason = True, f"every {rule.every}th"
-            elif n == best:
+            elif best is not None and n == best[1]:
                 keep, reason = True, f"best {rule.best}"
             else:
                 keep, reason = False, "outside the retention rule"
-            size = int(read_manifest(layout, layout.checkpoint_manifest(n, kind)).data["bytes"])
-            decisions.append(Decision(n, kind, size, keep, reason))
-    return decisions
+            decisions.append((n, kind, keep, reason))
+    return decisions, bests
+
+
+def _lapses(reason: str) -> bool:
+    """Whether a keep for `reason` can turn into a prune at a later LATEST under the same rules."""
+    return reason == NEEDED or reason.startswith(("among the last", "best "))
+
+
+def _size(layout: RunLayout, n: int, kind: str) -> int:
+    return int(read_manifest(layout, layout.checkpoint_manifest(n, kind)).data["bytes"])
+
+
+def _holding_files(inventory: dict[tuple[int, str], set[str]], latest: int) -> dict[str, list[int]]:
+    """By kind, ascending: the committed checkpoints up to LATEST without a tombstone."""
+    committed: dict[str, list[int]] = {kind: [] for kind in CHECKPOINT_KINDS}
+    for (n, kind), held in sorted(inventory.items()):
+        if n <= latest and "manifest" in held and "tombstone" not in held:
+            committed[kind].append(n)
+    return committed
 
 
 def prune(layout: RunLayout, decision: Decision) -> None:
@@ -147,12 +170,11 @@ def prune(layout: RunLayout, decision: Decision) -> None:
     )
 
 
-def finish_interrupted_prunes(layout: RunLayout) -> None:
+def finish_interrupted_prunes(layout: RunLayout, inventory: dict[tuple[int, str], set[str]]) -> None:
     """Delete the files of checkpoints whose tombstone exists (a prune killed half-way)."""
-    for n in layout.checkpoint_iterations():
-        for kind in CHECKPOINT_KINDS:
-            if is_pruned(layout, n, kind) and layout.store.list_files(layout.checkpoint_files_dir(n, kind)):
-                layout.store.remove_tree(layout.checkpoint_files_dir(n, kind))
+    for (n, kind), held in sorted(inventory.items()):
+        if {"tombstone", "files"} <= held:
+            layout.store.remove_tree(layout.checkpoint_files_dir(n, kind))
 
 
 def apply(
@@ -164,11 +186,118 @@ def apply(
     dry_run: bool = False,
     staleness: int = 0,
 ) -> list[Decision]:
-    """Plan and (unless `dry_run`) prune; returns the plan."""
-    decisions = plan(layout, resumable=resumable, weights=weights, eval_metric=eval_metric, staleness=staleness)
+    """Plan every checkpoint and (unless `dry_run`) finish interrupted prunes, prune, and record where
+    the pass left off for the next `apply_after_commit`; returns the plan."""
+    latest = read_latest(layout)
+    if latest is None:
+        return []
+    inventory = layout.checkpoint_inventory()
+    committed = _holding_files(inventory, latest)
+    decided, bests = _decide(
+        committed, latest, resumable=resumable, weights=weights, eval_metric=eval_metric, staleness=staleness
+    )
+    decisions = [Decision(n, kind, _size(layout, n, kind), keep, reason) for n, kind, keep, reason in decided]
     if not dry_run:
-        finish_interrupted_prunes(layout)
+        finish_interrupted_prunes(layout, inventory)
         for decision in decisions:
             if not decision.keep:
                 prune(layout, decision)
+        _write_record(layout, _rules(resumable, weights, staleness), latest, decided, bests)
     return decisions
+
+
+def apply_after_commit(
+    layout: RunLayout,
+    *,
+    resumable: KeepRule,
+    weights: KeepRule,
+    eval_metric: Callable[[int, str], float | None],
+    staleness: int = 0,
+) -> list[Decision]:
+    """The pass after a commit: `apply`'s decisions, looking only at what can have changed since the
+    previous pass; returns the prunes it made.
+
+    A checkpoint kept for a reason that does not lapse (no rule, every M-th) stays kept, and a
+    pruned one stays pruned, so the pass takes up the checkpoints committed since the previous pass
+    and those the previous pass kept for a reason that can lapse (needed to resume, among the last
+    N, the best), with the best value so far (`RunLayout.retention_record`). Its store operations
+    are a handful per iteration however long the run, where a full pass reads every checkpoint's
+    manifest and tombstone. Without a record, or with one written under other rules or past LATEST,
+    it makes a full pass (`apply`). The record is written after the prunes, so a pass killed
+    half-way is made again from the same record, and pruning is idempotent.
+
+    An evaluation written for an iteration after the pass that followed its commit (`sdpo eval
+    --iteration`) is ranked by the next full pass (`sdpo gc`); until then the rule keeps the best it
+    knew, which errs on keeping.
+    """
+    latest = read_latest(layout)
+    if latest is None:
+        return []
+    rules = _rules(resumable, weights, staleness)
+    record = _read_record(layout)
+    if record is None or record["rules"] != rules or record["through"] > latest:
+        return [
+            d
+            for d in apply(layout, resumable=resumable, weights=weights, eval_metric=eval_metric, staleness=staleness)
+            if not d.keep
+        ]
+    through = record["through"]
+    if through == latest:
+        return []
+    committed = {
+        kind: sorted(
+            set(record["pending"][kind])
+            | {n for n in range(through + 1, latest + 1) if layout.store.exists(layout.checkpoint_manifest(n, kind))}
+        )
+        for kind in CHECKPOINT_KINDS
+    }
+    best_so_far = {kind: (best[0], best[1]) if best else None for kind, best in record["best"].items()}
+    decided, bests = _decide(
+        committed,
+        latest,
+        resumable=resumable,
+        weights=weights,
+        eval_metric=eval_metric,
+        staleness=staleness,
+        best_so_far=best_so_far,
+    )
+    prunes = [Decision(n, kind, _size(layout, n, kind), keep, reason) for n, kind, keep, reason in decided if not keep]
+    for decision in prunes:
+        prune(layout, decision)
+    _write_record(layout, rules, latest, decided, bests)
+    return prunes
+
+
+def _rules(resumable: KeepRule, weights: KeepRule, staleness: int) -> dict[str, Any]:
+    return {"resumable": asdict(resumable), "weights": asdict(weights), "staleness": staleness}
+
+
+def _read_record(layout: RunLayout) -> dict[str, Any] | None:
+    url = layout.retention_record
+    if not layout.store.exists(url):
+        return None
+    record: dict[str, Any] = json.loads(layout.store.read_bytes(url))
+    if record.get("version") != _RECORD_VERSION:
+        return None  # written by another version: a full pass writes this one's
+    return record
+
+
+def _write_record(
+    layout: RunLayout,
+    rules: dict[str, Any],
+    latest: int,
+    decided: list[tuple[int, str, bool, str]],
+    bests: dict[str, tuple[float, int] | None],
+) -> None:
+    pending: dict[str, list[int]] = {kind: [] for kind in CHECKPOINT_KINDS}
+    for n, kind, keep, reason in decided:
+        if keep and _lapses(reason):
+            pending[kind].append(n)
+    record = {
+        "version": _RECORD_VERSION,
+        "rules": rules,
+        "through": latest,
+        "pending": pending,
+        "best": {kind: list(best) if best else None for kind, best in bests.items()},
+    }
+    layout.store.write_bytes(layout.retention_record, (json.dumps(record, sort_keys=True) + "\n").encode())

@@ -136,9 +136,13 @@ def teacher_source(run: Run, iteration: int) -> tuple[Path, Path | None]:
     return teacher, checkpoint_dir(run, 0, "policy") if run.cfg.teacher.update == "trust-region" else None
 
 
-def apply_retention(run: Run, *, dry_run: bool = False) -> list[Any]:
-    """Prune the checkpoints `storage.retention` does not keep (see storage/retention.py); the plan."""
-    from storage.retention import KeepRule, apply
+def apply_retention(run: Run, *, dry_run: bool = False, after_commit: bool = False) -> list[Any]:
+    """Prune the checkpoints `storage.retention` does not keep (see storage/retention.py).
+
+    By default a full pass that returns the plan (`sdpo gc`); `after_commit` is the flow's pass after
+    each commit, which looks only at what can have changed since the previous one and returns its
+    prunes."""
+    from storage.retention import KeepRule, apply, apply_after_commit
     from storage.stages import read_eval
 
     rules = run.cfg.storage.retention
@@ -147,11 +151,14 @@ def apply_retention(run: Run, *, dry_run: bool = False) -> list[Any]:
         metrics = read_eval(run.layout, n)
         return None if metrics is None or name not in metrics else float(metrics[name])
 
-    return apply(
-        run.layout,
+    common: dict[str, Any] = dict(
         staleness=run.cfg.pipeline.max_staleness,
         resumable=KeepRule(**rules.resumable.model_dump()),
         weights=KeepRule(**rules.weights.model_dump()),
         eval_metric=eval_metric,
-        dry_run=dry_run,
     )
+    if after_commit:
+        if dry_run:
+            raise ValueError("a dry run is a full pass: apply_retention(run, dry_run=True)")
+        return apply_after_commit(run.layout, **common)
+    return apply(run.layout, dry_run=dry_run, **common)
