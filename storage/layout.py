@@ -186,24 +186,34 @@ class RunLayout:
         names = self.store.list_dirs(self.checkpoints_dir)
         return sorted(int(m.group(1)) for m in map(_ITER_DIR.match, names) if m)
 
-    def checkpoint_inventory(self) -> dict[tuple[int, str], set[str]]:
+    def checkpoint_inventory(self) -> dict[tuple[int, str], CheckpointListing]:
         """Every checkpoint directory from one recursive listing (a few requests on S3, however long the
-        run): (iteration, kind) -> which of "manifest", "tombstone" and "files" (any file under
-        `files/`) it holds."""
+        run): (iteration, kind) -> what it holds (manifest, tombstone, files) and its files' bytes."""
         store = self.store
         prefix = store.path(self.checkpoints_dir).rstrip("/") + "/"
-        inventory: dict[tuple[int, str], set[str]] = {}
-        for url in store.list_files(self.checkpoints_dir):
+        inventory: dict[tuple[int, str], CheckpointListing] = {}
+        for url, size in store.list_file_sizes(self.checkpoints_dir).items():
             parts = store.path(url)[len(prefix) :].split("/")
             match = _ITER_DIR.match(parts[0])
             if not match or len(parts) < 3 or parts[1] not in CHECKPOINT_KINDS:
                 continue
-            entry = {MANIFEST_NAME: "manifest", TOMBSTONE_NAME: "tombstone"}.get(parts[2])
-            if parts[2] == "files" and len(parts) > 3:
-                entry = "files"
-            if entry is not None:
-                inventory.setdefault((int(match.group(1)), parts[1]), set()).add(entry)
+            listing = inventory.setdefault((int(match.group(1)), parts[1]), CheckpointListing())
+            if parts[2] == MANIFEST_NAME:
+                listing.held.add("manifest")
+            elif parts[2] == TOMBSTONE_NAME:
+                listing.held.add("tombstone")
+            elif parts[2] == "files" and len(parts) > 3:
+                listing.held.add("files")
+                listing.bytes += size
         return inventory
+
+
+@dataclass
+class CheckpointListing:
+    """What one checkpoint directory holds: of "manifest", "tombstone", "files", and the bytes of its files."""
+
+    held: set[str] = field(default_factory=set)
+    bytes: int = 0
 
 
 def iteration_name(n: int) -> str:

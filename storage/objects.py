@@ -250,6 +250,19 @@ class ObjectStore:
         found = self._call(find, "list", url)
         return [self._url_of(p) for p in found]
 
+    def list_file_sizes(self, url: str) -> dict[str, int]:
+        """{URL: bytes} of all files under `url` (recursive) from one listing; empty when nothing is there."""
+        path = self.path(url)
+
+        def find() -> dict[str, Any]:
+            if not self.fs.exists(path):
+                return {}
+            found: dict[str, Any] = self.fs.find(path, detail=True)
+            return found
+
+        found = self._call(find, "list", url)
+        return {self._url_of(p): int(info["size"]) for p, info in sorted(found.items())}
+
     def list_dirs(self, url: str) -> list[str]:
         """Names of the immediate sub-directories (prefixes) of `url`."""
         path = self.path(url)

@@ -14,7 +14,8 @@ the k before them (the next k+1 iterations sample from and are scored by LATEST-
 last full training state at or before LATEST (with the teacher shards after it, which are never
 pruned, it restores the trainer exactly).
 
-`apply` decides every checkpoint from one listing of the checkpoints (`sdpo gc`); the flow's pass
+`apply` decides every checkpoint from one listing of the checkpoints, which gives their sizes too
+(`sdpo gc`); the flow's pass
 after each commit, `apply_after_commit`, decides only what can have changed since the previous
 pass, so its cost does not grow with the run (`RunLayout.retention_record`).
 """
@@ -28,7 +29,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from storage.errors import NotCommittedError
-from storage.layout import CHECKPOINT_KINDS, RunLayout
+from storage.layout import CHECKPOINT_KINDS, CheckpointListing, RunLayout
 from storage.manifest import read_latest, read_manifest
 from storage.provenance import utc_now
 
@@ -145,11 +146,11 @@ def _size(layout: RunLayout, n: int, kind: str) -> int:
     return int(read_manifest(layout, layout.checkpoint_manifest(n, kind)).data["bytes"])
 
 
-def _holding_files(inventory: dict[tuple[int, str], set[str]], latest: int) -> dict[str, list[int]]:
+def _holding_files(inventory: dict[tuple[int, str], CheckpointListing], latest: int) -> dict[str, list[int]]:
     """By kind, ascending: the committed checkpoints up to LATEST without a tombstone."""
     committed: dict[str, list[int]] = {kind: [] for kind in CHECKPOINT_KINDS}
-    for (n, kind), held in sorted(inventory.items()):
-        if n <= latest and "manifest" in held and "tombstone" not in held:
+    for (n, kind), listing in sorted(inventory.items()):
+        if n <= latest and "manifest" in listing.held and "tombstone" not in listing.held:
             committed[kind].append(n)
     return committed
 
@@ -170,10 +171,10 @@ def prune(layout: RunLayout, decision: Decision) -> None:
     )
 
 
-def finish_interrupted_prunes(layout: RunLayout, inventory: dict[tuple[int, str], set[str]]) -> None:
+def finish_interrupted_prunes(layout: RunLayout, inventory: dict[tuple[int, str], CheckpointListing]) -> None:
     """Delete the files of checkpoints whose tombstone exists (a prune killed half-way)."""
-    for (n, kind), held in sorted(inventory.items()):
-        if {"tombstone", "files"} <= held:
+    for (n, kind), listing in sorted(inventory.items()):
+        if {"tombstone", "files"} <= listing.held:
             layout.store.remove_tree(layout.checkpoint_files_dir(n, kind))
 
 
@@ -196,7 +197,8 @@ def apply(
     decided, bests = _decide(
         committed, latest, resumable=resumable, weights=weights, eval_metric=eval_metric, staleness=staleness
     )
-    decisions = [Decision(n, kind, _size(layout, n, kind), keep, reason) for n, kind, keep, reason in decided]
+    # sizes from the listing: a manifest read per checkpoint would be a request each on S3
+    decisions = [Decision(n, kind, inventory[n, kind].bytes, keep, reason) for n, kind, keep, reason in decided]
     if not dry_run:
         finish_interrupted_prunes(layout, inventory)
         for decision in decisions:

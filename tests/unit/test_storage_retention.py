@@ -63,6 +63,7 @@ def test_no_rule_keeps_everything_and_a_dry_run_deletes_nothing(tmp_path: Path) 
     decisions = apply(
         layout, resumable=KeepRule(last=1), weights=KeepRule(last=1), eval_metric=lambda n, m: None, dry_run=True
     )
+    assert {d.bytes for d in decisions} == {10}  # each checkpoint's one 10-byte file, from the listing
     assert sorted((d.iteration, d.kind) for d in decisions if not d.keep) == [
         (1, "megatron"),
         (1, "policy"),
