@@ -154,6 +154,22 @@ def test_checkpoint_upload_download_and_cache_on_s3(layout: RunLayout, tmp_path:
     assert [r.parent_ok for r in lineage(layout)] == [None, True]
 
 
+def test_the_checkpoint_inventory_on_s3_lists_what_each_holds_and_its_bytes(layout: RunLayout, tmp_path: Path) -> None:
+    """Retention's one listing (`RunLayout.checkpoint_inventory`) on S3, where a directory is a key prefix."""
+    source = tmp_path / "ckpt"
+    (source / "sub").mkdir(parents=True)
+    (source / "sub" / "a.bin").write_bytes(b"a" * 300)
+    (source / "b.bin").write_bytes(b"b" * 45)
+    upload_checkpoint(source, layout, 0, "policy", parent="base")
+    upload_checkpoint(source, layout, 2, "teacher", parent="base")
+    layout.store.write_bytes(layout.checkpoint_tombstone(2, "teacher"), b"{}")
+    inventory = layout.checkpoint_inventory()
+    assert {key: (sorted(v.held), v.bytes) for key, v in inventory.items()} == {
+        (0, "policy"): (["files", "manifest"], 345),
+        (2, "teacher"): (["files", "manifest", "tombstone"], 345),
+    }
+
+
 def test_s3_honours_conditional_create(layout: RunLayout) -> None:
     url = layout.url("probe")
     layout.store.create_exclusive(url, b"first")
