@@ -249,7 +249,13 @@ def _advance_locked(cfg: Any, layout: Any, *, allow_config_change: bool) -> Any:
     tracker = open_tracker(run)
     stages.prepare_base(cfg.storage.root, cfg.name)
     summary = RunSummary(run_url=layout.run_url, tracking_uri=tracker.uri, loss_type=cfg.loss.type)
+    # the flow run that ends the run writes its summary, which needs every step's metrics
+    ends_run = latest + 1 >= cfg.iterations
     for n in range(latest + 1):  # what a killed predecessor committed but did not evaluate or log
+        # a step MLflow holds with its sample table was committed, evaluated and logged: nothing is
+        # left to do, and reading it back (a few store requests a step) is only for the summary
+        if not ends_run and tracker.published(n):
+            continue
         summary.record(n, complete_iteration(run, tracker, n)[0])
     if complete:
         tracker.finish()

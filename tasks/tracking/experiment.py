@@ -197,6 +197,11 @@ class Tracker:
         if value != current:
             self.client.set_tag(self.run_id, MLFLOW_LOGGED_ARTIFACTS, value)
 
+    def published(self, step: int) -> bool:
+        """Whether MLflow holds step `step`'s metrics and, for an iteration (step > 0), its sample table.
+        False with tracking off: then only the store says what a step has done."""
+        return self.enabled and step in self.logged_steps and (step == 0 or samples_file(step) in self.sample_files)
+
     def has_samples(self, step: int) -> bool:
         """Whether step `step`'s sample table is in MLflow (always, with tracking off)."""
         return not self.enabled or samples_file(step) in self.sample_files

@@ -96,3 +96,37 @@ def test_retention_keeps_what_it_promises_across_a_run_and_a_resume(tmp_path, pr
     assert dry.exit_code == 0 and "would free 0.0 MiB" in dry.output, dry.output
     verified = CliRunner().invoke(app, ["verify", "kept", "--root", str(tmp_path / "a" / "runs")])
     assert verified.exit_code == 0, verified.output
+
+
+def test_an_advance_reads_back_only_the_steps_mlflow_lacks_until_the_one_that_ends_the_run(
+    tmp_path, prefect_server, monkeypatch
+):
+    """A scheduled advance does not read every earlier iteration back from the store (a few requests
+    each): a step MLflow holds with its sample table is done. A step whose table is missing is
+    caught up; the advance that ends the run reads every step for the run's summary."""
+    import flows.iteration
+    from flows.iteration import sdpo_advance
+
+    config = write_config(tmp_path, "skips", root=str(tmp_path / "runs"), base={**THREE, "iterations": 5})
+    for _ in range(3):  # the base model's step and iterations 1..3
+        forget_process_state()
+        sdpo_advance(str(config), [])
+    (table,) = tmp_path.rglob("samples/iter-0002.json")
+    table.unlink()  # as if a killed process had logged step 2 but not its sample table
+
+    completed: list[int] = []
+    complete_iteration = flows.iteration.complete_iteration
+
+    def recorded(run, tracker, n, *args):
+        completed.append(n)
+        return complete_iteration(run, tracker, n, *args)
+
+    monkeypatch.setattr(flows.iteration, "complete_iteration", recorded)
+    forget_process_state()
+    sdpo_advance(str(config), [])
+    assert completed == [2, 4]  # the missing table, then the next iteration
+    assert table.is_file()
+    completed.clear()
+    forget_process_state()
+    sdpo_advance(str(config), [])  # iteration 5 ends the run
+    assert completed == [0, 1, 2, 3, 4, 5]
