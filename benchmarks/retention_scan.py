@@ -1,6 +1,6 @@
 """What the retention pass after each commit costs as a run grows.
 
-After every commit the flow applies the run's checkpoint retention (`tasks.runtime.apply_retention`,
+After every commit the flow applies the run's checkpoint retention (`tasks.runtime.retain_after_commit`,
 `storage/retention.py`). This builds a run in a local (file://) store with a policy, an EMA teacher
 and a full training state per iteration (one small file each: no pass reads the files), and at each
 of `--iterations` run lengths times two passes and counts the store operations each makes (exists,

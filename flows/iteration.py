@@ -145,7 +145,7 @@ def complete_iteration(
     from flows.artifacts import publish_iteration
     from storage.manifest import read_iteration_manifest, read_latest
     from storage.stages import read_eval
-    from tasks.runtime import apply_retention
+    from tasks.runtime import retain_after_commit
     from tasks.tracking.summary import sample_table
 
     cfg, root, name = run.cfg, run.layout.root_url, run.layout.run_name
@@ -172,7 +172,7 @@ def complete_iteration(
         tracker.log_samples(n, samples)
         publish_iteration(run, tracker, n, metrics, samples)
     if ran or n == cfg.iterations:
-        apply_retention(run, after_commit=True)
+        retain_after_commit(run)
     return metrics, ran
 
 

@@ -240,15 +240,7 @@ class ObjectStore:
 
     def list_files(self, url: str) -> list[str]:
         """URLs of all files under `url` (recursive), sorted; empty when nothing is there."""
-        path = self.path(url)
-
-        def find() -> list[str]:
-            if not self.fs.exists(path):
-                return []
-            return sorted(self.fs.find(path))
-
-        found = self._call(find, "list", url)
-        return [self._url_of(p) for p in found]
+        return list(self.list_file_sizes(url))
 
     def list_file_sizes(self, url: str) -> dict[str, int]:
         """{URL: bytes} of all files under `url` (recursive) from one listing; empty when nothing is there."""

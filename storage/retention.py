@@ -15,9 +15,8 @@ last full training state at or before LATEST (with the teacher shards after it, 
 pruned, it restores the trainer exactly).
 
 `apply` decides every checkpoint from one listing of the checkpoints, which gives their sizes too
-(`sdpo gc`); the flow's pass
-after each commit, `apply_after_commit`, decides only what can have changed since the previous
-pass, so its cost does not grow with the run (`RunLayout.retention_record`).
+(`sdpo gc`); the flow's pass after each commit, `apply_after_commit`, decides only what can have
+changed since the previous pass, so its cost does not grow with the run (`RunLayout.retention_record`).
 """
 
 from __future__ import annotations
@@ -36,7 +35,6 @@ from storage.provenance import utc_now
 logger = logging.getLogger(__name__)
 
 RESUMABLE_KINDS = ("megatron",)
-NEEDED = "needed to resume or for the next iteration"
 _RECORD_VERSION = 1
 
 
@@ -100,9 +98,11 @@ def _decide(
     eval_metric: Callable[[int, str], float | None],
     staleness: int,
     best_so_far: dict[str, tuple[float, int] | None] | None = None,
-) -> tuple[list[tuple[int, str, bool, str]], dict[str, tuple[float, int] | None]]:
-    """(iteration, kind, keep, reason) for every checkpoint in `committed` (by kind, ascending: the
-    ones still holding their files), and the best (value, iteration) per kind where a rule ranks.
+) -> tuple[list[tuple[int, str, bool, str, bool]], dict[str, tuple[float, int] | None]]:
+    """(iteration, kind, keep, reason, lapses) for every checkpoint in `committed` (by kind,
+    ascending: the ones still holding their files), and the best (value, iteration) per kind where a
+    rule ranks. `lapses`: a keep whose reason can turn into a prune at a later LATEST under the same
+    rules (needed now, among the last N, the best); no rule and every M-th cannot.
 
     `best_so_far` carries the best of checkpoints not listed (an incremental pass lists only the
     ones whose decision can change); the listed ones are ranked against it."""
@@ -122,24 +122,19 @@ def _decide(
             bests[kind] = best
         for n in present:
             if (n, kind) in guard:
-                keep, reason = True, NEEDED
+                keep, reason, lapses = True, "needed to resume or for the next iteration", True
             elif rule.keeps_all:
-                keep, reason = True, "no retention rule"
+                keep, reason, lapses = True, "no retention rule", False
             elif n in last:
-                keep, reason = True, f"among the last {rule.last}"
+                keep, reason, lapses = True, f"among the last {rule.last}", True
             elif rule.every and n % rule.every == 0:
-                keep, reason = True, f"every {rule.every}th"
+                keep, reason, lapses = True, f"every {rule.every}th", False
             elif best is not None and n == best[1]:
-                keep, reason = True, f"best {rule.best}"
+                keep, reason, lapses = True, f"best {rule.best}", True
             else:
-                keep, reason = False, "outside the retention rule"
-            decisions.append((n, kind, keep, reason))
+                keep, reason, lapses = False, "outside the retention rule", False
+            decisions.append((n, kind, keep, reason, lapses))
     return decisions, bests
-
-
-def _lapses(reason: str) -> bool:
-    """Whether a keep for `reason` can turn into a prune at a later LATEST under the same rules."""
-    return reason == NEEDED or reason.startswith(("among the last", "best "))
 
 
 def _size(layout: RunLayout, n: int, kind: str) -> int:
@@ -198,7 +193,7 @@ def apply(
         committed, latest, resumable=resumable, weights=weights, eval_metric=eval_metric, staleness=staleness
     )
     # sizes from the listing: a manifest read per checkpoint would be a request each on S3
-    decisions = [Decision(n, kind, inventory[n, kind].bytes, keep, reason) for n, kind, keep, reason in decided]
+    decisions = [Decision(n, kind, inventory[n, kind].bytes, keep, reason) for n, kind, keep, reason, _ in decided]
     if not dry_run:
         finish_interrupted_prunes(layout, inventory)
         for decision in decisions:
@@ -263,7 +258,9 @@ def apply_after_commit(
         staleness=staleness,
         best_so_far=best_so_far,
     )
-    prunes = [Decision(n, kind, _size(layout, n, kind), keep, reason) for n, kind, keep, reason in decided if not keep]
+    prunes = [
+        Decision(n, kind, _size(layout, n, kind), keep, reason) for n, kind, keep, reason, _ in decided if not keep
+    ]
     for decision in prunes:
         prune(layout, decision)
     _write_record(layout, rules, latest, decided, bests)
@@ -288,12 +285,12 @@ def _write_record(
     layout: RunLayout,
     rules: dict[str, Any],
     latest: int,
-    decided: list[tuple[int, str, bool, str]],
+    decided: list[tuple[int, str, bool, str, bool]],
     bests: dict[str, tuple[float, int] | None],
 ) -> None:
     pending: dict[str, list[int]] = {kind: [] for kind in CHECKPOINT_KINDS}
-    for n, kind, keep, reason in decided:
-        if keep and _lapses(reason):
+    for n, kind, keep, _, lapses in decided:
+        if keep and lapses:
             pending[kind].append(n)
     record = {
         "version": _RECORD_VERSION,

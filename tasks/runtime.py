@@ -136,13 +136,9 @@ def teacher_source(run: Run, iteration: int) -> tuple[Path, Path | None]:
     return teacher, checkpoint_dir(run, 0, "policy") if run.cfg.teacher.update == "trust-region" else None
 
 
-def apply_retention(run: Run, *, dry_run: bool = False, after_commit: bool = False) -> list[Any]:
-    """Prune the checkpoints `storage.retention` does not keep (see storage/retention.py).
-
-    By default a full pass that returns the plan (`sdpo gc`); `after_commit` is the flow's pass after
-    each commit, which looks only at what can have changed since the previous one and returns its
-    prunes."""
-    from storage.retention import KeepRule, apply, apply_after_commit
+def _retention_rules(run: Run) -> dict[str, Any]:
+    """The run's retention rules and staleness, and its evaluations by iteration, as `storage.retention` takes them."""
+    from storage.retention import KeepRule
     from storage.stages import read_eval
 
     rules = run.cfg.storage.retention
@@ -151,14 +147,24 @@ def apply_retention(run: Run, *, dry_run: bool = False, after_commit: bool = Fal
         metrics = read_eval(run.layout, n)
         return None if metrics is None or name not in metrics else float(metrics[name])
 
-    common: dict[str, Any] = dict(
+    return dict(
         staleness=run.cfg.pipeline.max_staleness,
         resumable=KeepRule(**rules.resumable.model_dump()),
         weights=KeepRule(**rules.weights.model_dump()),
         eval_metric=eval_metric,
     )
-    if after_commit:
-        if dry_run:
-            raise ValueError("a dry run is a full pass: apply_retention(run, dry_run=True)")
-        return apply_after_commit(run.layout, **common)
-    return apply(run.layout, dry_run=dry_run, **common)
+
+
+def apply_retention(run: Run, *, dry_run: bool = False) -> list[Any]:
+    """Prune the checkpoints `storage.retention` does not keep, from a full pass (`sdpo gc`); the plan."""
+    from storage.retention import apply
+
+    return apply(run.layout, dry_run=dry_run, **_retention_rules(run))
+
+
+def retain_after_commit(run: Run) -> list[Any]:
+    """The flow's retention pass after each commit: it looks only at what can have changed since the
+    previous pass (storage/retention.py); the prunes it made."""
+    from storage.retention import apply_after_commit
+
+    return apply_after_commit(run.layout, **_retention_rules(run))
