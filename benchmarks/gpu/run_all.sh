@@ -3,7 +3,7 @@
 # side, one GPU each (GPU 0: step profile, 1.7B throughput; GPU 1: loss kernel, packed attention,
 # 0.6B throughput, SDPO iteration), then the GPU tests (the TP=2 ones use both GPUs). Logs go to
 # $OUT. All of it takes more than one 10-minute device call: run STEPS="model profile loss packed
-# iter", then STEPS=tests.
+# iter", then STEPS=tests alone (the GPU tests take about 8 minutes on one H200).
 # Wheels in .whl/: megatron-core 0.19.2, transformers 5.24.0 + tokenizers 0.23.3, pydantic 2.14.4
 # (+ pydantic-core, annotated-types, typing-inspection, typing-extensions).
 # STEPS selects phases among "model profile loss packed iter tests" (default all);
@@ -29,7 +29,7 @@ has() { [[ " $STEPS " == *" $1 "* ]]; }
   if has iter; then timeout 200 python3 benchmarks/gpu/sdpo_iteration.py $ITER_ARGS > "$OUT/sdpo_iteration.log" 2>&1; fi ) &
 wait
 if has tests; then
-  timeout 300 python3 -m pytest tests/gpu -v -s -p no:cacheprovider -o addopts="" 2>&1 | tee "$OUT/gpu_tests.log" \
+  timeout 560 python3 -m pytest tests/gpu -v -s -p no:cacheprovider -o addopts="" 2>&1 | tee "$OUT/gpu_tests.log" \
     | grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|^(default|gpu path|tp1|tp2) "
 fi
 for f in loss_kernel packed_attention model_0.6b model_1.7b profile_step sdpo_iteration; do
