@@ -6,6 +6,10 @@ path. Normally that is one environment lookup. With `SDPO_CRASH_AT=<name>@<itera
 as a power cut or an OOM kill would: no `finally`, no atexit, no flush. The restart tests run a
 real `sdpo run` with each point armed, then run the same command again and compare the result with
 an uninterrupted run. `CRASH_POINTS` lists every point, in the order one iteration reaches them.
+
+`SDPO_PAUSE_AT` (same syntax) makes the process stop at the point instead, sleeping until it is
+killed, as a hung stage would (a stuck read, a collective whose peer is gone): the tests of stage
+timeouts and of killed runs use it.
 """
 
 from __future__ import annotations
@@ -13,10 +17,12 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import time
 
 logger = logging.getLogger(__name__)
 
 CRASH_ENV = "SDPO_CRASH_AT"
+PAUSE_ENV = "SDPO_PAUSE_AT"
 
 CRASH_POINTS = (
     "stage.start:rollout",
@@ -54,15 +60,23 @@ CRASH_POINTS = (
 TEST_TIME_CRASH_POINTS = tuple(p for p in CRASH_POINTS if p.endswith((":baseline", ":discovery")))
 
 
+def _armed(env: str, name: str, iteration: int | None) -> bool:
+    spec = os.environ.get(env)
+    if not spec:
+        return False
+    point, _, at = spec.partition("@")
+    return point == name and (not at or (iteration is not None and int(at) == iteration))
+
+
 def crash_point(name: str, iteration: int | None = None) -> None:
-    """SIGKILL this process group here when `SDPO_CRASH_AT` names this point (and iteration)."""
+    """SIGKILL this process group here when `SDPO_CRASH_AT` names this point (and iteration); sleep
+    here until killed when `SDPO_PAUSE_AT` does."""
     if name not in CRASH_POINTS:
         raise ValueError(f"crash point {name!r} is not in storage.faults.CRASH_POINTS")
-    spec = os.environ.get(CRASH_ENV)
-    if not spec:
-        return
-    point, _, at = spec.partition("@")
-    if point != name or (at and (iteration is None or int(at) != iteration)):
-        return
-    logger.warning("crash point %s (iteration %s) reached: killing process group", name, iteration)
-    os.killpg(os.getpgid(0), signal.SIGKILL)
+    if _armed(CRASH_ENV, name, iteration):
+        logger.warning("crash point %s (iteration %s) reached: killing process group", name, iteration)
+        os.killpg(os.getpgid(0), signal.SIGKILL)
+    if _armed(PAUSE_ENV, name, iteration):
+        logger.warning("pause point %s (iteration %s) reached: sleeping until killed", name, iteration)
+        while True:
+            time.sleep(3600)

@@ -148,8 +148,10 @@ def launch_stage(
     if spec["launcher"] == "work-pool":
         _run_on_work_pool(stage, root, run, iteration, spec, storage_options=storage_options)
         return
+    from tasks.lifetime import child_environment
+
     command = stage_command(stage, root, run, iteration, spec)
-    env = dict(os.environ)
+    env = {**os.environ, **child_environment()}  # the stage process ends if this one does (tasks.lifetime)
     if storage_options:
         env[OPTIONS_ENV] = json.dumps(dict(storage_options))
     logger.info("launching %s of iteration %d: %s", stage, iteration, " ".join(command))
@@ -160,7 +162,8 @@ def launch_stage(
     try:
         output, _ = process.communicate(timeout=spec["timeout_s"])
     except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)  # torchrun's ranks too
+        # torchrun's ranks lead groups of their own: each ends within a second of seeing torchrun gone
+        os.killpg(process.pid, signal.SIGKILL)
         output, _ = process.communicate()
         raise StageProcessError(
             f"stage {stage} of iteration {iteration} of run {run!r} ran past launch.{stage}.timeout_s="

@@ -12,8 +12,10 @@ from flows.cli.app import app
 
 def main() -> None:
     from tasks.allocator import keep_freed_heap
+    from tasks.lifetime import end_on_termination
     from tasks.preload import freeze_for_exit
 
+    end_on_termination()  # `kill` ends a command through its cleanup, as Ctrl-C does
     keep_freed_heap()  # before any tensor work of this process (a stage process starts here too)
     try:
         app()

@@ -68,7 +68,9 @@ def prefect_local_mode(run_name: str, *, meanwhile: Callable[[], Any] | None = N
     `meanwhile` (the imports the run will need) runs before the block. The ephemeral server is a
     process of its own that takes seconds to start (it imports Prefect's server and opens its
     database); it is started on a thread first, so that `meanwhile` runs while it starts, and the
-    block's first Prefect call finds it up. A server that fails to start raises here.
+    block's first Prefect call finds it up. A server that fails to start raises here. A guard
+    process stops the server should this process be killed without running its `atexit` handlers,
+    where Prefect stops it (`tasks.lifetime.guard`).
     """
     if os.environ.get("PREFECT_API_URL"):
         if meanwhile is not None:
@@ -88,23 +90,28 @@ def prefect_local_mode(run_name: str, *, meanwhile: Callable[[], Any] | None = N
     from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
 
     with temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
-        if meanwhile is not None:
-            _start_ephemeral_server_during(meanwhile)
+        _start_ephemeral_server_during(meanwhile or (lambda: None))
         yield
 
 
 def _start_ephemeral_server_during(work: Callable[[], Any]) -> None:
-    """Start Prefect's ephemeral server on a thread while `work` runs here; returns once both are
-    done, raising either's error. Without PREFECT_API_URL `prefect.get_client` starts this same
-    instance (`SubprocessASGIServer()` is one per process) and finds it running."""
+    """Start Prefect's ephemeral server on a thread while `work` runs here, and its guard; returns
+    once both are done, raising either's error. Without PREFECT_API_URL `prefect.get_client` starts
+    this same instance (`SubprocessASGIServer()` is one per process) and finds it running."""
     from concurrent.futures import ThreadPoolExecutor
 
     from prefect.server.api.server import SubprocessASGIServer
 
+    from tasks.lifetime import guard
+
+    server = SubprocessASGIServer()
+    already = server.server_process is not None
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefect-server-start") as pool:
-        started = pool.submit(SubprocessASGIServer().start)
+        started = pool.submit(server.start)
         work()
         started.result()
+    if not already and server.server_process is not None:
+        guard(server.server_process.pid)
 
 
 def fail(message: str | None) -> None:

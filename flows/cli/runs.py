@@ -106,9 +106,11 @@ def stage_command(
     """Run one stage of one iteration as a process: read its inputs from the store, write its outputs
     and manifest there. The stage launchers start this (under torchrun too); so can any scheduler."""
     from tasks.launch import STAGES, leave_process_group, register_stage_options, run_stage
+    from tasks.lifetime import watch_starter
     from tasks.preload import import_frozen, imports_of
     from tasks.runtime import open_run
 
+    watch_starter()  # launched by a run's process: it ends when that process (or torchrun) has
     if name not in STAGES:
         fail(f"unknown stage {name!r}; stages are {', '.join(STAGES)}")
     setup_logging(verbose)
