@@ -140,7 +140,10 @@ def guard(pid: int) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
         [sys.executable, "-m", "tasks.lifetime", identity(pid)],
         env={**os.environ, **child_environment()},
+        # nothing of this process's: a reader of its output pipes gets their end when this process ends
         stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
         start_new_session=True,  # signals to this process's group (Ctrl-C) are not for it
     )
 
