@@ -189,8 +189,16 @@ def _run_on_work_pool(
     *,
     storage_options: Mapping[str, Any] | None,
 ) -> None:
-    """The stage as a flow run of `spec['deployment']` (flows/stage.py), waited for; its failure is ours."""
+    """The stage as a flow run of `spec['deployment']` (flows/stage.py), waited for; its failure is
+    ours. A guard cancels the flow run should this process die while waiting, and this process
+    cancels it when the wait is interrupted (Ctrl-C, SIGTERM): the stage does not run on without
+    its flow (tasks.lifetime)."""
+    import time
+
+    from prefect.client.orchestration import get_client
     from prefect.deployments import run_deployment
+
+    from tasks.lifetime import cancel_flow_run, guard_flow_run
 
     parameters = {
         "stage": stage,
@@ -201,12 +209,23 @@ def _run_on_work_pool(
     }
     logger.info("running %s of iteration %d on deployment %s", stage, iteration, spec["deployment"])
     flow_run = run_deployment(
-        spec["deployment"],
-        parameters=parameters,
-        flow_run_name=f"{run}/iter-{iteration:04d}/{stage}",
-        timeout=spec["timeout_s"],
-        poll_interval=1,
+        spec["deployment"], parameters=parameters, flow_run_name=f"{run}/iter-{iteration:04d}/{stage}", timeout=0
     )
+    guard = guard_flow_run(flow_run.id)
+    try:
+        started = time.monotonic()
+        with get_client(sync_client=True) as client:
+            while not (flow_run.state is not None and flow_run.state.is_final()):
+                if spec["timeout_s"] is not None and time.monotonic() - started >= spec["timeout_s"]:
+                    break  # stop waiting; the flow run goes on (launch.<stage>.timeout_s)
+                time.sleep(1)
+                flow_run = client.read_flow_run(flow_run.id)
+    except BaseException:
+        cancel_flow_run(flow_run.id)
+        raise
+    finally:
+        guard.kill()
+        guard.wait()
     state = flow_run.state
     if state is None or not state.is_completed():
         raise StageProcessError(

@@ -15,8 +15,11 @@ that the resumed run writes too, and the server keeps its memory and its databas
   launched it (`SDPO_STARTED_BY`). It checks once a second that this process, and its own parent
   (torchrun's agent, for a rank), still run. When one is gone, it kills its process group.
 - `guard`: for a process that runs no code of ours (Prefect's server), a guard process
-  (`python -m tasks.lifetime TARGET`) waits for the process that started it to end, then stops
-  TARGET: SIGTERM, then SIGKILL after `GRACE_S`.
+  (`python -m tasks.lifetime process TARGET`) waits for the process that started it to end, then
+  stops TARGET: SIGTERM, then SIGKILL after `GRACE_S`.
+- `guard_flow_run`: for a stage on a Prefect work pool, a guard (`python -m tasks.lifetime
+  flow-run ID`) that sets the stage's flow run to Cancelling once the process that waits for it has
+  ended; the pool's worker then ends the flow run's process.
 
 A process's identity is its machine's boot id, its pid and its start time (Linux's /proc), so a pid
 the system reuses for another process is not taken for it, and a starter on another machine (a
@@ -137,8 +140,31 @@ def _end_own_group() -> None:
 
 def guard(pid: int) -> subprocess.Popen[bytes]:
     """Start a guard process that stops process `pid` once this process has ended."""
+    return _start_guard("process", identity(pid))
+
+
+def guard_flow_run(flow_run_id: Any) -> subprocess.Popen[bytes]:
+    """Start a guard that cancels Prefect flow run `flow_run_id` once this process has ended; the
+    caller kills it (SIGKILL: it ignores the others) once the flow run needs no guarding."""
+    return _start_guard("flow-run", str(flow_run_id))
+
+
+def cancel_flow_run(flow_run_id: Any) -> None:
+    """Set a Prefect flow run that has not ended to Cancelling (its worker then ends its process)."""
+    from prefect.client.orchestration import get_client
+    from prefect.states import Cancelling
+
+    with get_client(sync_client=True) as client:
+        state = client.read_flow_run(flow_run_id).state
+        if state is None or not state.is_final():
+            client.set_flow_run_state(
+                flow_run_id, Cancelling(message="the run that waited for it has ended"), force=True
+            )
+
+
+def _start_guard(kind: str, target: str) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
-        [sys.executable, "-m", "tasks.lifetime", identity(pid)],
+        [sys.executable, "-m", "tasks.lifetime", kind, target],
         env={**os.environ, **child_environment()},
         # nothing of this process's: a reader of its output pipes gets their end when this process ends
         stdin=subprocess.DEVNULL,
@@ -161,14 +187,19 @@ def stop(ident: str, *, grace_s: float = GRACE_S) -> None:
         os.kill(pid, signal.SIGKILL)
 
 
-def _guard_main(target: str) -> None:
+def _guard_main(kind: str, target: str) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)  # it ends when its starter has; then it has one thing to do
     starter = os.environ[STARTED_BY_ENV]
     while alive(starter):
         time.sleep(POLL_S)
-    stop(target)
+    if kind == "process":
+        stop(target)
+    elif kind == "flow-run":
+        cancel_flow_run(target)
+    else:
+        raise ValueError(f"unknown guard kind {kind!r}: process or flow-run")
 
 
 if __name__ == "__main__":
-    _guard_main(sys.argv[1])
+    _guard_main(sys.argv[1], sys.argv[2])

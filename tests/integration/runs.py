@@ -143,3 +143,38 @@ def assert_same_rollout(expected: Any, got: Any, n: int) -> int:
         np.testing.assert_allclose(x, y, atol=1e-5)
     np.testing.assert_array_equal(np.asarray(a["reward"]), np.asarray(b["reward"]))
     return len(a["response_ids"])
+
+
+def start_stage_worker(tmp_path: Path, prefect_server: str, **worker_env: str) -> tuple[str, Any]:
+    """A process work pool on the test server with the `sdpo-stage` deployment of flows/stage.py, and a
+    real `prefect worker` polling it every second (its output in tmp_path/worker.log, a session of its
+    own). Returns the deployment's name and the worker's Popen; the caller kills its process group."""
+    import os
+    import subprocess
+    import sys
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate
+
+    from flows.stage import sdpo_stage
+
+    repo = Path(__file__).resolve().parents[2]
+    pool = f"stages-{tmp_path.name[-12:]}".replace("_", "-")
+    with get_client(sync_client=True) as client:
+        client.create_work_pool(WorkPoolCreate(name=pool, type="process"))
+    sdpo_stage.from_source(source=str(repo), entrypoint="flows/stage.py:sdpo_stage").deploy(
+        name=pool, work_pool_name=pool, print_next_steps=False
+    )
+    env = dict(os.environ, PREFECT_API_URL=prefect_server, PREFECT_WORKER_QUERY_SECONDS="1", OMP_NUM_THREADS="1")
+    # The flow run's INFO lines name it: a WARNING level left in os.environ by a CLI test that ran
+    # earlier in this process would hide them from the worker's log.
+    with (tmp_path / "worker.log").open("w") as sink:
+        worker = subprocess.Popen(
+            [sys.executable, "-m", "prefect", "worker", "start", "--pool", pool, "--limit", "1"],
+            cwd=repo,
+            env={**env, "PYTHONUNBUFFERED": "1", "PREFECT_LOGGING_LEVEL": "INFO", **worker_env},
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    return f"sdpo-stage/{pool}", worker

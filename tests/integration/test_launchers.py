@@ -13,7 +13,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.integration.runs import TINY, differences, fingerprint, forget_process_state, write_config
+from tests.integration.runs import (
+    TINY,
+    differences,
+    fingerprint,
+    forget_process_state,
+    start_stage_worker,
+    write_config,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 THREE = {**TINY, "iterations": 3, "eval": {"every": 2, "sampled_n": 2}}
@@ -154,30 +161,8 @@ def test_a_two_node_torchrun_on_loopback_runs_a_training_stage(tmp_path, prefect
 def test_a_stage_on_a_prefect_work_pool_runs_on_a_real_process_worker(tmp_path, prefect_server):
     """The train stage as its own flow run of a `sdpo-stage` deployment, picked up by a real
     `prefect worker` of a process work pool on the test server: the run equals one trained in process."""
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.actions import WorkPoolCreate
-
-    from flows.stage import sdpo_stage
-
-    pool = f"stages-{tmp_path.name[-12:]}".replace("_", "-")
-    with get_client(sync_client=True) as client:
-        client.create_work_pool(WorkPoolCreate(name=pool, type="process"))
-    sdpo_stage.from_source(source=str(REPO), entrypoint="flows/stage.py:sdpo_stage").deploy(
-        name=pool, work_pool_name=pool, print_next_steps=False
-    )
-    env = dict(os.environ, PREFECT_API_URL=prefect_server, PREFECT_WORKER_QUERY_SECONDS="1", OMP_NUM_THREADS="1")
-    # The flow run's INFO lines name it: a WARNING level left in os.environ by a CLI test that ran
-    # earlier in this process would hide them from the worker's log.
+    deployment, worker = start_stage_worker(tmp_path, prefect_server)
     worker_log = tmp_path / "worker.log"
-    with worker_log.open("w") as sink:
-        worker = subprocess.Popen(
-            [sys.executable, "-m", "prefect", "worker", "start", "--pool", pool, "--limit", "1"],
-            cwd=REPO,
-            env={**env, "PYTHONUNBUFFERED": "1", "PREFECT_LOGGING_LEVEL": "INFO"},
-            stdout=sink,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
     try:
         single = fingerprint(_run(tmp_path, "single", ONE))
         pooled = fingerprint(
@@ -185,7 +170,7 @@ def test_a_stage_on_a_prefect_work_pool_runs_on_a_real_process_worker(tmp_path, 
                 tmp_path,
                 "pooled",
                 ONE,
-                launch={"train": {"launcher": "work-pool", "deployment": f"sdpo-stage/{pool}", "timeout_s": 600}},
+                launch={"train": {"launcher": "work-pool", "deployment": deployment, "timeout_s": 600}},
             )
         )
         # the worker reports the stage's flow run once that run's process has exited, which can be

@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.integration.runs import TINY, write_config
+from tests.integration.runs import TINY, start_stage_worker, write_config
 
 ONE = {**TINY, "iterations": 1, "eval": {"every": 0, "sampled_n": 2}}
 PAUSED_TRAIN = {"SDPO_PAUSE_AT": "stage.start:train"}
@@ -29,11 +29,14 @@ def _command_line(process: psutil.Process) -> str:
         return ""
 
 
-def _start(tmp_path: Path, launch: dict, **env: str) -> tuple[subprocess.Popen, Path]:
-    """`sdpo run` of ONE on Prefect's ephemeral server, in a session of its own, logging to a file."""
+def _start(tmp_path: Path, launch: dict, *, api_url: str | None = None, **env: str) -> tuple[subprocess.Popen, Path]:
+    """`sdpo run` of ONE in a session of its own, logging to a file: on the Prefect server at
+    `api_url`, else on Prefect's ephemeral server."""
     config = write_config(tmp_path, "lifetime", base=ONE, launch=launch)
     environment = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
     environment.update(PREFECT_HOME=str(tmp_path / "prefect-home"), OMP_NUM_THREADS="1", **env)
+    if api_url is not None:
+        environment["PREFECT_API_URL"] = api_url
     log = tmp_path / "run.log"
     with open(log, "a") as out:
         flow = subprocess.Popen(
@@ -190,3 +193,40 @@ def test_sigterm_and_sighup_end_a_command_through_its_cleanup(signum):
     command.send_signal(signum)
     assert command.wait(timeout=30) == 128 + signum
     assert command.stdout.read() == "cleaned up\n"
+
+
+def test_a_stage_on_a_work_pool_is_cancelled_when_its_run_is_killed(tmp_path, prefect_server):
+    """The train stage runs as a flow run on a real process worker and pauses there; the run's
+    process is killed with SIGKILL; its guard sets the flow run to Cancelling and the worker ends it."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+
+    deployment, worker = start_stage_worker(tmp_path, prefect_server, **PAUSED_TRAIN)  # the stage pauses there
+    try:
+        flow, log = _start(
+            tmp_path, {"train": {"launcher": "work-pool", "deployment": deployment}}, api_url=prefect_server
+        )
+        named = FlowRunFilter(name=FlowRunFilterName(any_=["lifetime/iter-0001/train"]))
+
+        def stage_run():
+            with get_client(sync_client=True) as client:
+                runs = client.read_flow_runs(flow_run_filter=named)
+            return runs[0] if runs else None
+
+        deadline = time.monotonic() + 300
+        while (found := stage_run()) is None or found.state is None or not found.state.is_running():
+            assert flow.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
+            time.sleep(0.5)
+        time.sleep(3)  # the stage's flow run is well into its start-up on the worker
+        below = psutil.Process(worker.pid).children(recursive=True)  # the flow run's process
+        assert below, (tmp_path / "worker.log").read_text()[-3000:]
+        flow.kill()
+        flow.wait()
+        deadline = time.monotonic() + 60
+        while stage_run().state.type.value not in ("CANCELLED", "CANCELLING") and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert stage_run().state.type.value in ("CANCELLED", "CANCELLING"), stage_run().state
+        assert _left_running(below, within_s=30) == [], (tmp_path / "worker.log").read_text()[-3000:]
+    finally:
+        os.killpg(worker.pid, signal.SIGKILL)
+        worker.wait(timeout=30)
