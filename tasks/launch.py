@@ -33,10 +33,19 @@ logger = logging.getLogger(__name__)
 STAGES = ("prepare-base", "rollout", "teacher", "train", "commit", "eval")
 OPTIONS_ENV = "SDPO_STORAGE_OPTIONS"  # the store's fsspec options (no credentials: the config refuses them)
 _TAIL = 6000
+# a stage's flow run that no worker of its pool has taken after this long is named in a warning
+UNCLAIMED_WARNING_S = 120.0
 
 
 class StageProcessError(RuntimeError):
     """A stage process (or one of its torchrun ranks) exited non-zero."""
+
+
+class StageInfrastructureLost(StageProcessError):
+    """A stage's flow run on a work pool ended Crashed: its process or its machine went away (a
+    worker lost with its machine, which Prefect's heartbeat automation marks Crashed, an evicted pod,
+    a process killed by the kernel) rather than the stage raising. Another attempt on a live worker
+    of the pool can finish it, so the stage's task retries it (`tasks.stages.retry_transient`)."""
 
 
 def _prepare_base(root: str, run: str, iteration: int) -> Any:
@@ -214,10 +223,33 @@ def _run_on_work_pool(
     guard = guard_flow_run(flow_run.id)
     try:
         started = time.monotonic()
+        warned = False
         with get_client(sync_client=True) as client:
             while not (flow_run.state is not None and flow_run.state.is_final()):
-                if spec["timeout_s"] is not None and time.monotonic() - started >= spec["timeout_s"]:
+                waited = time.monotonic() - started
+                if spec["timeout_s"] is not None and waited >= spec["timeout_s"]:
                     break  # stop waiting; the flow run goes on (launch.<stage>.timeout_s)
+                if (
+                    not warned
+                    and waited >= UNCLAIMED_WARNING_S
+                    and flow_run.state is not None
+                    and flow_run.state.is_scheduled()
+                ):
+                    logger.warning(
+                        "stage %s of iteration %d of run %r: flow run %s (%s) of deployment %s has waited %.0f s "
+                        "for a worker of work pool %r (%s); is one running? prefect worker start --pool %s",
+                        stage,
+                        iteration,
+                        run,
+                        flow_run.name,
+                        flow_run.id,
+                        spec["deployment"],
+                        waited,
+                        flow_run.work_pool_name,
+                        flow_run.state.name,
+                        flow_run.work_pool_name,
+                    )
+                    warned = True
                 time.sleep(1)
                 flow_run = client.read_flow_run(flow_run.id)
     except BaseException:
@@ -227,12 +259,17 @@ def _run_on_work_pool(
         guard.kill()
         guard.wait()
     state = flow_run.state
-    if state is None or not state.is_completed():
+    where = f"stage {stage} of iteration {iteration} of run {run!r} on deployment {spec['deployment']}: flow run"
+    if state is not None and state.is_crashed():
+        raise StageInfrastructureLost(f"{where} {flow_run.name} ({flow_run.id}) Crashed: {state.message}")
+    if state is None or not state.is_final():
         raise StageProcessError(
-            f"stage {stage} of iteration {iteration} of run {run!r} on deployment {spec['deployment']}: flow run "
-            f"{flow_run.name} ({flow_run.id}) ended {state.name if state else 'without a state'}: "
-            f"{state.message if state else ''}"
+            f"{where} {flow_run.name} ({flow_run.id}) did not end within launch.{stage}.timeout_s="
+            f"{spec['timeout_s']} (it is {state.name if state else 'without a state'}); the wait stopped, the "
+            f"flow run goes on"
         )
+    if not state.is_completed():
+        raise StageProcessError(f"{where} {flow_run.name} ({flow_run.id}) ended {state.name}: {state.message}")
 
 
 def register_stage_options(root: str) -> None:

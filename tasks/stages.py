@@ -11,22 +11,33 @@ importing this module (and so the flows) stays light.
 
 Every stage is safe to retry (it skips itself when its manifest exists and commits atomically), so
 Prefect retries a stage that failed on what a second attempt can cure: a dropped connection or a
-timeout that escaped the store's own retries. Any other failure fails the stage at once.
+timeout that escaped the store's own retries, or a stage on a work pool whose flow run Crashed (its
+worker or machine was lost: the next attempt is a new flow run, on any live worker of the pool).
+Any other failure fails the stage at once.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from prefect import task
+
+logger = logging.getLogger(__name__)
 
 INPROCESS = {"launcher": "inprocess"}
 RETRY_DELAYS = [10, 60]  # seconds before the first and the second retry
 
 
 def retry_transient(task: Any, task_run: Any, state: Any) -> bool:
-    """Prefect retry condition: only connection errors and timeouts are retried."""
-    return isinstance(state.result(raise_on_failure=False), (ConnectionError, TimeoutError))
+    """Prefect retry condition: connection errors, timeouts and lost work-pool infrastructure only."""
+    from tasks.launch import StageInfrastructureLost
+
+    error = state.result(raise_on_failure=False)
+    if isinstance(error, StageInfrastructureLost):
+        logger.warning("%s: the stage runs again as a new flow run of its deployment", str(error).rstrip("."))
+        return True
+    return isinstance(error, (ConnectionError, TimeoutError))
 
 
 RETRIES = {"retries": len(RETRY_DELAYS), "retry_delay_seconds": RETRY_DELAYS, "retry_condition_fn": retry_transient}

@@ -145,10 +145,13 @@ def assert_same_rollout(expected: Any, got: Any, n: int) -> int:
     return len(a["response_ids"])
 
 
-def start_stage_worker(tmp_path: Path, prefect_server: str, **worker_env: str) -> tuple[str, Any]:
+def start_stage_worker(
+    tmp_path: Path, prefect_server: str, *, start: bool = True, **worker_env: str
+) -> tuple[str, Any]:
     """A process work pool on the test server with the `sdpo-stage` deployment of flows/stage.py, and a
     real `prefect worker` polling it every second (its output in tmp_path/worker.log, a session of its
-    own). Returns the deployment's name and the worker's Popen; the caller kills its process group."""
+    own). Returns the deployment's name and the worker's Popen (None with `start=False`: a pool that
+    no worker serves); the caller kills its process group."""
     import os
     import subprocess
     import sys
@@ -165,6 +168,8 @@ def start_stage_worker(tmp_path: Path, prefect_server: str, **worker_env: str) -
     sdpo_stage.from_source(source=str(repo), entrypoint="flows/stage.py:sdpo_stage").deploy(
         name=pool, work_pool_name=pool, print_next_steps=False
     )
+    if not start:
+        return f"sdpo-stage/{pool}", None
     env = dict(os.environ, PREFECT_API_URL=prefect_server, PREFECT_WORKER_QUERY_SECONDS="1", OMP_NUM_THREADS="1")
     # The flow run's INFO lines name it: a WARNING level left in os.environ by a CLI test that ran
     # earlier in this process would hide them from the worker's log.

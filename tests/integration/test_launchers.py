@@ -3,6 +3,7 @@ process would (bit for bit, or within float tolerance where ranks reorder sums).
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import subprocess
@@ -184,6 +185,31 @@ def test_a_stage_on_a_prefect_work_pool_runs_on_a_real_process_worker(tmp_path, 
     log = worker_log.read_text()
     assert differences(single, pooled) == [], log[-3000:]
     assert "placed/iter-0001/train" in log, log[-3000:]  # the worker ran the stage's flow run
+
+
+def test_a_stage_no_worker_takes_is_named_in_a_warning(tmp_path, prefect_server, monkeypatch):
+    """A stage's flow run on a pool without a worker: the launcher names the pool and the command
+    that serves it, then stops waiting at the stage's timeout."""
+    from tasks import launch
+
+    deployment, _ = start_stage_worker(tmp_path, prefect_server, start=False)
+    pool = deployment.split("/")[1]
+    monkeypatch.setattr(launch, "UNCLAIMED_WARNING_S", 1.0)
+    spec = {"launcher": "work-pool", "deployment": deployment, "timeout_s": 4}
+    warnings: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warnings.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("tasks.launch").addHandler(handler)  # Prefect's logging config keeps caplog's away
+    try:
+        with pytest.raises(
+            launch.StageProcessError,
+            match=r"flow run nobody/iter-0001/train .* did not end within launch.train.timeout_s=4 \(it is (Scheduled|Late)\)",
+        ):
+            launch.launch_stage("train", str(tmp_path / "runs"), "nobody", 1, spec)
+    finally:
+        logging.getLogger("tasks.launch").removeHandler(handler)
+    (warning,) = [w for w in warnings if "for a worker of work pool" in w]
+    assert f"work pool '{pool}'" in warning and f"prefect worker start --pool {pool}" in warning, warning
 
 
 def test_a_stage_process_past_its_timeout_is_killed_and_the_stage_fails(tmp_path, prefect_server):

@@ -1,16 +1,22 @@
-"""The deployments of infra/prefect/prefect.yaml on a real `prefect server` with a process worker.
+"""The deployments of infra/prefect/prefect.yaml on a real `prefect server` with process workers.
 
-One scenario, end to end, as an operator runs it: deploy every deployment and the automations,
+The first scenario, end to end, as an operator runs it: deploy every deployment and the automations,
 start a worker, `prefect deployment run` the scheduled `sdpo-advance` deployment twice at once (one
 run commits iteration 1, the overlapping one ends Cancelled), turn its schedule on, kill the worker
 and the flow run's process in the middle of iteration 2, start a new worker, and wait: the dead
 run is marked Crashed when its heartbeats stop, the next ticks resume and finish the SDPO run, the
 tick after that ends "Skipped" and pauses the schedule. No flow run ends Failed, MLflow has every
 step exactly once, each iteration left its Prefect artifacts and its status line in Prefect's logs.
+
+The second: a run whose train stage is a flow run of `sdpo-stage/cpu` loses that stage's worker with
+its processes, as when its machine goes; the run's own process lives on. The automation marks the
+stage's flow run Crashed when its heartbeats stop, the stage's task starts it again as a new flow
+run, a second worker takes it, and the run finishes by itself.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import os
 import re
@@ -22,6 +28,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from tests.integration.conftest import _free_port, wait_healthy
@@ -52,10 +59,15 @@ class Prefect:
         }
         self.processes: list[subprocess.Popen] = []
 
-    def start(self, args: list[str], log: Path) -> subprocess.Popen:
+    def start(self, args: list[str], log: Path, **env: str) -> subprocess.Popen:
         out = log.open("ab")
         proc = subprocess.Popen(
-            [*PREFECT, *args], cwd=REPO, env=self.env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            [*PREFECT, *args],
+            cwd=REPO,
+            env={**self.env, **env},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
         self.processes.append(proc)
         return proc
@@ -213,3 +225,67 @@ def test_scheduled_deployment_recovers_from_a_killed_worker_and_stops_when_done(
     assert client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["sdpo-sched-summary"])))
     lines = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[done])))
     assert any("iteration 1/3 | reward" in line.message for line in lines), [line.message for line in lines]
+
+
+def test_a_stage_whose_worker_is_lost_runs_again_on_another_worker(tmp_path: Path, prefect: Prefect) -> None:
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+
+    from storage.layout import RunLayout
+    from storage.manifest import read_latest
+
+    config = write_config(
+        tmp_path,
+        "lost",
+        iterations=1,
+        eval={"every": 0},
+        launch={"train": {"launcher": "work-pool", "deployment": "sdpo-stage/cpu"}},
+    )
+    first_log, second_log, run_log = tmp_path / "worker.log", tmp_path / "worker2.log", tmp_path / "run.log"
+    logs = [run_log, first_log, second_log, tmp_path / "server.log"]
+    prefect.cli("work-pool", "create", "cpu-pool", "--type", "process")
+    prefect.cli("work-pool", "create", "gpu-pool", "--type", "process")
+    deployed = prefect.cli("deploy", "--all", "--prefect-file", "infra/prefect/prefect.yaml")
+    assert "sdpo-stage/cpu" in deployed and "sdpo-stage/gpu" in deployed, deployed
+    prefect.cli("automation", "create", "--from-file", "infra/prefect/automations.yaml")
+    client = prefect.client()
+    assert set(client.read_deployment_by_name("sdpo-stage/gpu").tags) == {"sdpo", "stage"}
+    # the first worker's stage pauses at its start, as a long stage would be running when its machine goes
+    first = prefect.start(["worker", "start", "--pool", "cpu-pool", "--type", "process"], first_log,
+                          SDPO_PAUSE_AT="stage.start:train")  # fmt: skip
+    with run_log.open("w") as out:
+        run = subprocess.Popen(
+            [sys.executable, "-m", "flows.cli", "run", str(config)],
+            cwd=tmp_path,
+            env={**prefect.env, "OMP_NUM_THREADS": "1"},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    prefect.processes.append(run)
+    named = FlowRunFilter(name=FlowRunFilterName(any_=["lost/iter-0001/train"]))
+    stage_runs = lambda: sorted(client.read_flow_runs(flow_run_filter=named), key=lambda r: r.created)  # noqa: E731
+
+    def stage_running() -> bool:
+        assert run.poll() is None, run_log.read_text()[-4000:]
+        return any(r.state.is_running() for r in stage_runs())
+
+    wait_for("the train stage on the first worker", stage_running, timeout=300, logs=logs, interval=0.5)
+    time.sleep(8)  # its first heartbeat sent; the stage paused at its start
+    # the machine goes: the worker and every process it started, at once; the run's process lives on
+    doomed = psutil.Process(first.pid).children(recursive=True)
+    assert doomed, first_log.read_text()[-3000:]
+    (lost,) = stage_runs()
+    assert lost.state.is_running(), lost.state
+    kill_group(first)
+    for process in doomed:
+        with contextlib.suppress(psutil.NoSuchProcess):  # gone with the worker's process group
+            process.kill()
+    prefect.start(["worker", "start", "--pool", "cpu-pool", "--type", "process"], second_log)
+
+    assert run.wait(timeout=420) == 0, "\n".join(f"--- {p.name}:\n{p.read_text()[-3000:]}" for p in logs)
+    assert read_latest(RunLayout(str(tmp_path / "runs"), "lost")) == 1
+    crashed, finished = stage_runs()
+    assert crashed.id == lost.id and crashed.state.is_crashed(), crashed.state
+    assert "No heartbeat" in crashed.state.message, crashed.state.message
+    assert finished.state.is_completed(), finished.state
+    assert "Crashed" in run_log.read_text()  # the retry names why the stage ran again
