@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.gpu.common import SHAPES, VOCAB, emit
+from benchmarks.gpu.common import PEAK_BF16_FLOPS, SHAPES, VOCAB, emit, qwen3_config
 
 CONFIG = Path(__file__).with_name("pipeline.yaml")
 COMPUTE = {  # stage -> (its stage seconds, its compute seconds, tokens/s of that compute)
@@ -79,8 +79,24 @@ def _when(stamp: str) -> float:
     return dt.datetime.fromisoformat(stamp).timestamp()
 
 
-def read_run(root: str, name: str, *, tracking_uri: str) -> dict[str, Any]:
-    """Per-iteration timings of a finished run, from its manifests and MLflow metrics."""
+def token_flops(shape: str, vocab: int) -> tuple[float, float]:
+    """(2N, 2 L d_q) of the `shape` Qwen3: a token's forward FLOPs at sequence length S are
+    2N + 2 L d_q S (N: parameters without the input embedding, the LM head included; the second
+    term QK^T and AV over the causal half of the sequence), as benchmarks/gpu/common.py counts them."""
+    import torch
+    from transformers import Qwen3ForCausalLM
+
+    config = qwen3_config(shape)
+    config.vocab_size = vocab
+    with torch.device("meta"):
+        model = Qwen3ForCausalLM(config)
+    n = sum(p.numel() for name, p in model.named_parameters() if "embed_tokens" not in name)
+    return 2.0 * n, 2.0 * config.num_hidden_layers * config.num_attention_heads * config.head_dim
+
+
+def read_run(root: str, name: str, *, tracking_uri: str, flops: tuple[float, float] | None = None) -> dict[str, Any]:
+    """Per-iteration timings of a finished run, from its manifests and MLflow metrics; with `flops`
+    (`token_flops`), the training and teacher MFU per GPU."""
     from mlflow.tracking import MlflowClient
 
     from storage.checkpoints import resolve_checkpoint
@@ -114,7 +130,27 @@ def read_run(root: str, name: str, *, tracking_uri: str) -> dict[str, Any]:
         for part in ("export", "teacher_update", "upload_wait"):  # the train stage's outputs, part by part
             row[f"train_{part}_s"] = round(metrics.get(f"train/{part}_seconds", 0.0), 2)
         row["train_loss"] = metrics.get("train/loss")
+        row["train_grad_norm"] = metrics.get("train/grad_norm")
         row["sample_mask_fraction"] = metrics.get("sdpo/sample_mask_fraction")
+        row["response_length_mean"] = metrics["rollout/response_length_mean"]
+        # processes (GPUs) per stage: the rollout runs in the flow's process, training and Megatron
+        # teacher scoring on as many torchrun ranks as `launch.<stage>.nproc_per_node` x nnodes
+        row["train_ranks"] = int(metrics["train/ranks"])
+        row["teacher_ranks"] = int(metrics.get("teacher/ranks", 1.0))
+        for stage in ("train", "teacher"):
+            row[f"{stage}_tokens_per_s_per_gpu"] = round(metrics[f"{stage}/tokens_per_second"] / row[f"{stage}_ranks"])
+        if flops is not None:
+            # MFU per GPU: a token's FLOPs (2N + 2 L S d_q forward, 3x that trained) at the stage's mean
+            # sequence length S, times the stage's tokens/s per GPU, over the GPU's dense bf16 peak
+            base, attention = flops
+            train_len = metrics["rollout/response_length_mean"]
+            teacher_len = train_len + metrics.get("teacher/prompt_length_mean", 0.0)
+            row["train_mfu"] = round(
+                3 * (base + attention * train_len) * row["train_tokens_per_s_per_gpu"] / PEAK_BF16_FLOPS, 4
+            )
+            row["teacher_mfu"] = round(
+                (base + attention * teacher_len) * row["teacher_tokens_per_s_per_gpu"] / PEAK_BF16_FLOPS, 4
+            )
         iterations.append(row)
 
     client = MlflowClient(tracking_uri)
@@ -174,13 +210,21 @@ def main() -> None:
                 raise SystemExit(f"sdpo run exited with {code}")
             run_s = round(time.perf_counter() - started, 1)
 
-    result = read_run(str(out / "runs"), name, tracking_uri=tracking_uri)
+    import torch
+
+    # MFU only where the denominator (an H100/H200's dense bf16 peak) is the device's
+    flops = token_flops(args.shape, args.vocab) if torch.cuda.is_available() else None
+    result = read_run(str(out / "runs"), name, tracking_uri=tracking_uri, flops=flops)
     for row in result["iterations"]:
         emit({"bench": "pipeline_iteration", "shape": args.shape, **row})
     if not result["iterations"]:
         raise SystemExit(f"no iteration of {name} under {out} was committed")
     steady = [r for r in result["iterations"] if r["iteration"] > 1] or result["iterations"]
-    mean = {k: round(sum(r[k] for r in steady) / len(steady), 4) for k in steady[0] if k.endswith(("_s", "_share"))}
+    mean = {
+        k: round(sum(r[k] for r in steady) / len(steady), 4)
+        for k in steady[0]
+        if k.endswith(("_s", "_share", "_per_gpu", "_mfu"))
+    }
     emit(
         {
             "bench": "pipeline",

@@ -3,8 +3,13 @@
 # benchmarks/gpu/pipeline.yaml and the same work in TRL's SDPOTrainer, per shape. Logs go to $OUT.
 # Wheels in .whl/ (docs/benchmarks.md lists them): megatron-core, transformers, pydantic, Prefect,
 # mlflow-skinny, TRL, datasets and what they need that the image lacks.
-# STEPS picks among "test pipe-0.6b trl-0.6b pipe-1.7b trl-1.7b mfu train-tests" (default: the first
-# three; train-tests: the training and scorer GPU tests, tests/gpu/test_gpu_train.py);
+# STEPS picks among "test pipe-0.6b trl-0.6b pipe-1.7b trl-1.7b pipe-1.7b-dp2 pipe-1.7b-tp2 mfu
+# train-tests" (default: the first three; train-tests: the training and scorer GPU tests,
+# tests/gpu/test_gpu_train.py; on two GPUs `test` includes the pipeline-launched DP=2 / TP=2 tests).
+# pipe-1.7b-dp2: the 1.7B pipeline with its train stage on two GPUs under the pipeline's torchrun
+# launcher (data parallel); pipe-1.7b-tp2: the same tensor parallel, the Megatron teacher stage on the
+# same two ranks. Their RESULT lines carry tokens/s and MFU per GPU; pipe-1.7b on the same machine is
+# the one-GPU baseline of the scaling efficiency.
 # PIPE_ITERS / TRL_ITERS set the iterations of each run (default 3 / 2), PIPE_TIMEOUT / TRL_TIMEOUT
 # the seconds each may take (default 300 / 300); a pipeline run cut short is stopped with its
 # whole process group and read back for the iterations it committed. Each step's run folder under
@@ -21,10 +26,12 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 CUDA_DEVICE_MAX_CONNECTIONS=
   DO_NOT_TRACK=1 PREFECT_SERVER_ANALYTICS_ENABLED=false
 { nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm --format=csv
   python3 -c "import torch, megatron.core, transformers, prefect, mlflow, trl; print(torch.__version__, torch.version.cuda, megatron.core.__version__, transformers.__version__, prefect.__version__, mlflow.__version__, trl.__version__)"
+  python3 -c "import torch; print('NCCL', '.'.join(map(str, torch.cuda.nccl.version())), 'GPUs', torch.cuda.device_count())"
+  env | grep -E "^(NCCL|TORCH_SYMM|NVSHMEM|CUDA_DEVICE_MAX)" | sort   # the collective settings every rank inherits
 } 2>&1 | tee "$OUT/env.log"
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 if has test; then
-  timeout 180 python3 -m pytest tests/gpu/test_gpu_pipeline.py -v -p no:cacheprovider -o addopts="" > "$OUT/gpu_tests.log" 2>&1
+  timeout 560 python3 -m pytest tests/gpu/test_gpu_pipeline.py -v -s -p no:cacheprovider -o addopts="" > "$OUT/gpu_tests.log" 2>&1
   grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/gpu_tests.log" | tail -8
 fi
 for shape in 0.6b 1.7b; do
@@ -41,6 +48,18 @@ for shape in 0.6b 1.7b; do
     # a 1.7B run's store and cache hold ~50 GB after two iterations with the final Megatron state)
     rm -rf /tmp/pipe-$shape
   fi
+done
+for layout in dp2 tp2; do
+  has "pipe-1.7b-$layout" || continue
+  if [[ $layout == dp2 ]]; then
+    spread=(launch.train.launcher=torchrun launch.train.nproc_per_node=2)
+  else
+    spread=(train.tensor_parallel=2 launch.train.launcher=torchrun launch.train.nproc_per_node=2
+            launch.teacher.launcher=torchrun launch.teacher.nproc_per_node=2)
+  fi
+  python3 -m benchmarks.gpu.pipeline_run --shape 1.7b --out /tmp/pipe-1.7b-$layout --iterations $PIPE_ITERS \
+    --timeout $PIPE_TIMEOUT "${spread[@]}" > "$OUT/pipeline_1.7b_$layout.log" 2>&1
+  rm -rf /tmp/pipe-1.7b-$layout
 done
 if has mfu; then
   timeout 200 python3 benchmarks/gpu/model_throughput.py --shapes 1.7b --fused true > "$OUT/model_1.7b.log" 2>&1

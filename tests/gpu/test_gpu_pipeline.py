@@ -30,9 +30,23 @@ SMALL = [  # the GPU configuration at a size a test can afford
 ]
 
 
-@pytest.fixture(scope="module")
-def gpu_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("pipeline")
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+# the train stage on two GPUs through the pipeline's own torchrun launcher: data parallel, or tensor
+# parallel with the Megatron teacher scorer under the same two ranks
+TWO_GPUS = {
+    "dp2": ["launch.train.launcher=torchrun", "launch.train.nproc_per_node=2"],
+    "tp2": [
+        "train.tensor_parallel=2",
+        "launch.train.launcher=torchrun",
+        "launch.train.nproc_per_node=2",
+        "launch.teacher.launcher=torchrun",
+        "launch.teacher.nproc_per_node=2",
+    ],
+}
+
+
+def pipeline_run(out: Path, *overrides: str, timeout: float = 400) -> dict:
+    """One iteration of `benchmarks/gpu/pipeline_run.py` on the tiny GPU shape; its RESULT records by kind."""
     cmd = [
         sys.executable,
         "-m",
@@ -46,13 +60,20 @@ def gpu_run(tmp_path_factory):
         "--out",
         str(out),
         *SMALL,
+        *overrides,
     ]
-    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=400)
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     results = [
         json.loads(line.removeprefix("RESULT ")) for line in done.stdout.splitlines() if line.startswith("RESULT ")
     ]
-    return out, {r["bench"]: r for r in results}
+    return {r["bench"]: r for r in results}
+
+
+@pytest.fixture(scope="module")
+def gpu_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("pipeline")
+    return out, pipeline_run(out)
 
 
 def test_one_iteration_of_sdpo_run_on_cuda_is_committed_and_measured(gpu_run):
@@ -107,3 +128,22 @@ def test_the_ema_teacher_of_the_bf16_policy_moves_as_in_float32(gpu_run):
     assert changed > 0  # the GPU step moved the bf16 policy
     assert moved / changed > 0.99
     assert in_bf16_moved / changed < 0.5  # what keeping the teacher in float32 prevents
+
+
+@two_gpus
+@pytest.mark.parametrize("layout", sorted(TWO_GPUS))
+def test_sdpo_run_on_two_gpus_trains_like_one_gpu(gpu_run, tmp_path, layout):
+    """`sdpo run` launching its train stage (and, tensor parallel, its teacher stage) on two GPUs
+    under torchrun: the same samples as on one GPU, and the first step's loss and gradient norm
+    within bf16 tolerance of the one-GPU run's. On a random-init model the teacher differs from the
+    student by its context only, so the loss is small (about 1e-5 in float32 on the CPU) and bf16
+    rounding in another summation order is a larger share of it than in tests/gpu/test_gpu_train.py;
+    a reduction over the ranks that sums where it should average, or ranks that train on the wrong
+    samples, moves both by far more than 5 %."""
+    one = gpu_run[1]["pipeline_iteration"]
+    two = pipeline_run(tmp_path, *TWO_GPUS[layout], timeout=600)["pipeline_iteration"]
+    print(layout, {k: two[k] for k in two if k.endswith(("_loss", "_norm", "_ranks", "_per_gpu", "_mfu"))})
+    assert (two["train_ranks"], two["teacher_ranks"]) == (2, 2 if layout == "tp2" else 1)
+    assert two["response_length_mean"] == one["response_length_mean"]  # the rollout ran alike on GPU 0
+    assert two["train_loss"] == pytest.approx(one["train_loss"], rel=5e-2)
+    assert two["train_grad_norm"] == pytest.approx(one["train_grad_norm"], rel=5e-2)

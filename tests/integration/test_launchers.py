@@ -100,6 +100,7 @@ def test_torchrun_stages_train_like_one_process(tmp_path, prefect_server, name, 
     spread = _run(tmp_path, name, ONE, **sections)
     a, b = read_iteration_manifest(single, 1).data["metrics"], read_iteration_manifest(spread, 1).data["metrics"]
     assert b["train/ranks"] == 2.0 and a["train/ranks"] == 1.0
+    assert a["teacher/ranks"] == 1.0 and b["teacher/ranks"] == (2.0 if name == "tp2" else 1.0)
     assert b["train/loss"] == pytest.approx(a["train/loss"], rel=1e-5, abs=1e-7)
     base, one, other = _weights(single, 0), _weights(single, 1), _weights(spread, 1)
     assert _max_difference(base, _weights(spread, 0)) == 0.0
