@@ -3,9 +3,10 @@
 # benchmarks/gpu/pipeline.yaml and the same work in TRL's SDPOTrainer, per shape. Logs go to $OUT.
 # Wheels in .whl/ (docs/benchmarks.md lists them): megatron-core, transformers, pydantic, Prefect,
 # mlflow-skinny, TRL, datasets and what they need that the image lacks.
-# STEPS picks among "test pipe-0.6b trl-0.6b pipe-1.7b trl-1.7b pipe-1.7b-dp2 pipe-1.7b-tp2 mfu
-# train-tests" (default: the first three; train-tests: the training and scorer GPU tests,
-# tests/gpu/test_gpu_train.py; on two GPUs `test` includes the pipeline-launched DP=2 / TP=2 tests).
+# STEPS picks among "test test-dp2 test-tp2 pipe-0.6b trl-0.6b pipe-1.7b trl-1.7b pipe-1.7b-dp2
+# pipe-1.7b-tp2 mfu train-tests" (default: test pipe-0.6b trl-0.6b; train-tests: the training and
+# scorer GPU tests, tests/gpu/test_gpu_train.py; test-dp2 / test-tp2: on two GPUs, the pipeline-launched
+# DP=2 / TP=2 test of tests/gpu/test_gpu_pipeline.py, each beside the one-GPU run it compares with).
 # pipe-1.7b-dp2: the 1.7B pipeline with its train stage on two GPUs under the pipeline's torchrun
 # launcher (data parallel); pipe-1.7b-tp2: the same tensor parallel, the Megatron teacher stage on the
 # same two ranks. Their RESULT lines carry tokens/s and MFU per GPU; pipe-1.7b on the same machine is
@@ -31,9 +32,16 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 CUDA_DEVICE_MAX_CONNECTIONS=
 } 2>&1 | tee "$OUT/env.log"
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 if has test; then
-  timeout 560 python3 -m pytest tests/gpu/test_gpu_pipeline.py -v -s -p no:cacheprovider -o addopts="" > "$OUT/gpu_tests.log" 2>&1
+  timeout 180 python3 -m pytest tests/gpu/test_gpu_pipeline.py -k "not two_gpus" -v -p no:cacheprovider -o addopts="" \
+    > "$OUT/gpu_tests.log" 2>&1
   grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/gpu_tests.log" | tail -8
 fi
+for layout in dp2 tp2; do
+  has "test-$layout" || continue
+  timeout 560 python3 -m pytest tests/gpu/test_gpu_pipeline.py -k "two_gpus and $layout" -v -s -p no:cacheprovider \
+    -o addopts="" > "$OUT/gpu_tests_$layout.log" 2>&1
+  grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|^$layout " "$OUT/gpu_tests_$layout.log" | tail -8
+done
 for shape in 0.6b 1.7b; do
   # TRL first: the pipeline run is stopped as a process group, but nothing may hold the GPU before TRL
   if has "trl-$shape"; then
