@@ -9,7 +9,9 @@ an uninterrupted run. `CRASH_POINTS` lists every point, in the order one iterati
 
 `SDPO_PAUSE_AT` (same syntax) makes the process stop at the point instead, sleeping until it is
 killed, as a hung stage would (a stuck read, a collective whose peer is gone): the tests of stage
-timeouts and of killed runs use it.
+timeouts and of killed runs use it. With `SDPO_PAUSE_UNTIL=<path>` as well, the process goes on once
+that file exists, as a long stage would: a test holds a stage running while it kills or restarts
+what is around it, then lets the stage finish.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ logger = logging.getLogger(__name__)
 
 CRASH_ENV = "SDPO_CRASH_AT"
 PAUSE_ENV = "SDPO_PAUSE_AT"
+RESUME_ENV = "SDPO_PAUSE_UNTIL"
 
 CRASH_POINTS = (
     "stage.start:rollout",
@@ -77,6 +80,11 @@ def crash_point(name: str, iteration: int | None = None) -> None:
         logger.warning("crash point %s (iteration %s) reached: killing process group", name, iteration)
         os.killpg(os.getpgid(0), signal.SIGKILL)
     if _armed(PAUSE_ENV, name, iteration):
-        logger.warning("pause point %s (iteration %s) reached: sleeping until killed", name, iteration)
-        while True:
-            time.sleep(3600)
+        resume = os.environ.get(RESUME_ENV)
+        if not resume:
+            logger.warning("pause point %s (iteration %s) reached: sleeping until killed", name, iteration)
+            while True:
+                time.sleep(3600)
+        logger.warning("pause point %s (iteration %s) reached: sleeping until %s exists", name, iteration, resume)
+        while not os.path.exists(resume):
+            time.sleep(0.2)

@@ -199,7 +199,8 @@ def _run_on_work_pool(
     storage_options: Mapping[str, Any] | None,
 ) -> None:
     """The stage as a flow run of `spec['deployment']` (flows/stage.py), waited for; its failure is
-    ours. A guard cancels the flow run should this process die while waiting, and this process
+    ours. A flow run of the same stage that an earlier launcher left going (Scheduled, Pending or
+    Running: that launcher's machine was lost with its guard) is waited for instead of a new one. A guard cancels the flow run should this process die while waiting, and this process
     cancels it when the wait is interrupted (Ctrl-C, SIGTERM): the stage does not run on without
     its flow (tasks.lifetime)."""
     import time
@@ -216,10 +217,20 @@ def _run_on_work_pool(
         "iteration": iteration,
         "storage_options": dict(storage_options or {}),
     }
-    logger.info("running %s of iteration %d on deployment %s", stage, iteration, spec["deployment"])
-    flow_run = run_deployment(
-        spec["deployment"], parameters=parameters, flow_run_name=f"{run}/iter-{iteration:04d}/{stage}", timeout=0
-    )
+    name = f"{run}/iter-{iteration:04d}/{stage}"
+    where = f"stage {stage} of iteration {iteration} of run {run!r} on deployment {spec['deployment']}: flow run"
+    with get_client(sync_client=True) as client:
+        flow_run = _unfinished_flow_run(client, spec["deployment"], name, parameters)
+    if flow_run is not None:
+        # a launcher that died without cancelling it (its machine lost with its guard) left it going
+        status = flow_run.state.name if flow_run.state else "without a state"
+        logger.warning(
+            "%s %s (%s): attaching to it (%s, from an earlier attempt) instead of starting another",
+            *(where, flow_run.name, flow_run.id, status),
+        )
+    else:
+        logger.info("running %s of iteration %d on deployment %s", stage, iteration, spec["deployment"])
+        flow_run = run_deployment(spec["deployment"], parameters=parameters, flow_run_name=name, timeout=0)
     guard = guard_flow_run(flow_run.id)
     try:
         started = time.monotonic()
@@ -235,19 +246,11 @@ def _run_on_work_pool(
                     and flow_run.state is not None
                     and flow_run.state.is_scheduled()
                 ):
+                    pool = flow_run.work_pool_name
                     logger.warning(
-                        "stage %s of iteration %d of run %r: flow run %s (%s) of deployment %s has waited %.0f s "
-                        "for a worker of work pool %r (%s); is one running? prefect worker start --pool %s",
-                        stage,
-                        iteration,
-                        run,
-                        flow_run.name,
-                        flow_run.id,
-                        spec["deployment"],
-                        waited,
-                        flow_run.work_pool_name,
-                        flow_run.state.name,
-                        flow_run.work_pool_name,
+                        "%s %s (%s) has waited %.0f s for a worker of work pool %r (%s); is one running? "
+                        "prefect worker start --pool %s",
+                        *(where, flow_run.name, flow_run.id, waited, pool, flow_run.state.name, pool),
                     )
                     warned = True
                 time.sleep(1)
@@ -259,7 +262,6 @@ def _run_on_work_pool(
         guard.kill()
         guard.wait()
     state = flow_run.state
-    where = f"stage {stage} of iteration {iteration} of run {run!r} on deployment {spec['deployment']}: flow run"
     if state is not None and state.is_crashed():
         raise StageInfrastructureLost(f"{where} {flow_run.name} ({flow_run.id}) Crashed: {state.message}")
     if state is None or not state.is_final():
@@ -270,6 +272,32 @@ def _run_on_work_pool(
         )
     if not state.is_completed():
         raise StageProcessError(f"{where} {flow_run.name} ({flow_run.id}) ended {state.name}: {state.message}")
+
+
+def _unfinished_flow_run(client: Any, deployment: str, name: str, parameters: Mapping[str, Any]) -> Any | None:
+    """The newest flow run of `deployment` named `name` for the same stage of the same run (root,
+    run, iteration, stage) that has not ended and is not being cancelled: Scheduled, Pending or
+    Running; None when there is none."""
+    from prefect.client.schemas.filters import (
+        DeploymentFilter,
+        DeploymentFilterId,
+        FlowRunFilter,
+        FlowRunFilterName,
+        FlowRunFilterState,
+        FlowRunFilterStateType,
+    )
+    from prefect.client.schemas.objects import StateType
+    from prefect.client.schemas.sorting import FlowRunSort
+
+    deployment_id = client.read_deployment_by_name(deployment).id
+    live = FlowRunFilterStateType(any_=[StateType.SCHEDULED, StateType.PENDING, StateType.RUNNING])
+    runs = client.read_flow_runs(
+        flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[name]), state=FlowRunFilterState(type=live)),
+        deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment_id])),
+        sort=FlowRunSort.EXPECTED_START_TIME_DESC,
+    )
+    same = ("stage", "root", "run", "iteration")
+    return next((r for r in runs if all(r.parameters.get(k) == parameters[k] for k in same)), None)
 
 
 def register_stage_options(root: str) -> None:

@@ -199,7 +199,7 @@ def test_a_stage_on_a_work_pool_is_cancelled_when_its_run_is_killed(tmp_path, pr
     """The train stage runs as a flow run on a real process worker and pauses there; the run's
     process is killed with SIGKILL; its guard sets the flow run to Cancelling and the worker ends it."""
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId, FlowRunFilter, FlowRunFilterName
 
     deployment, worker = start_stage_worker(tmp_path, prefect_server, **PAUSED_TRAIN)  # the stage pauses there
     try:
@@ -208,9 +208,10 @@ def test_a_stage_on_a_work_pool_is_cancelled_when_its_run_is_killed(tmp_path, pr
         )
         named = FlowRunFilter(name=FlowRunFilterName(any_=["lifetime/iter-0001/train"]))
 
-        def stage_run():
+        def stage_run():  # of this test's deployment: other tests' runs are named alike
             with get_client(sync_client=True) as client:
-                runs = client.read_flow_runs(flow_run_filter=named)
+                ours = DeploymentFilter(id=DeploymentFilterId(any_=[client.read_deployment_by_name(deployment).id]))
+                runs = client.read_flow_runs(flow_run_filter=named, deployment_filter=ours)
             return runs[0] if runs else None
 
         deadline = time.monotonic() + 300
@@ -227,6 +228,59 @@ def test_a_stage_on_a_work_pool_is_cancelled_when_its_run_is_killed(tmp_path, pr
             time.sleep(0.5)
         assert stage_run().state.type.value in ("CANCELLED", "CANCELLING"), stage_run().state
         assert _left_running(below, within_s=30) == [], (tmp_path / "worker.log").read_text()[-3000:]
+    finally:
+        os.killpg(worker.pid, signal.SIGKILL)
+        worker.wait(timeout=30)
+
+
+def test_a_resumed_run_waits_for_the_stage_flow_run_its_lost_process_left(tmp_path, prefect_server):
+    """The run's process and its guard die together (the machine that ran them is lost) while the
+    train stage runs on a work pool; the same command, run again, waits for that flow run instead of
+    starting a second one, and finishes once the stage does."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId, FlowRunFilter, FlowRunFilterName
+
+    from storage.layout import RunLayout
+    from storage.manifest import read_latest
+
+    go = tmp_path / "go"  # the paused stage goes on once this file exists
+    deployment, worker = start_stage_worker(tmp_path, prefect_server, **PAUSED_TRAIN, SDPO_PAUSE_UNTIL=str(go))
+    launch = {"train": {"launcher": "work-pool", "deployment": deployment}}
+    named = FlowRunFilter(name=FlowRunFilterName(any_=["lifetime/iter-0001/train"]))
+
+    def stage_runs() -> list:  # of this test's deployment: other tests' runs are named alike
+        with get_client(sync_client=True) as client:
+            ours = DeploymentFilter(id=DeploymentFilterId(any_=[client.read_deployment_by_name(deployment).id]))
+            return client.read_flow_runs(flow_run_filter=named, deployment_filter=ours)
+
+    try:
+        flow, log = _start(tmp_path, launch, api_url=prefect_server)
+        deadline = time.monotonic() + 300
+        while not any(r.state is not None and r.state.is_running() for r in stage_runs()):
+            assert flow.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
+            time.sleep(0.5)
+        time.sleep(3)
+        guards = [p for p in psutil.Process(flow.pid).children(recursive=True) if "tasks.lifetime" in _command_line(p)]
+        assert guards, log.read_text()[-3000:]
+        for guard in guards:
+            guard.kill()
+        flow.kill()
+        flow.wait()
+        (left,) = stage_runs()
+        assert left.state.is_running(), left.state
+
+        again, log = _start(tmp_path, launch, api_url=prefect_server)
+        deadline = time.monotonic() + 240
+        while f"flow run lifetime/iter-0001/train ({left.id}): attaching to it" not in " ".join(
+            log.read_text().split()
+        ):
+            assert again.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
+            time.sleep(0.5)
+        go.touch()
+        assert again.wait(timeout=300) == 0, log.read_text()[-4000:]
+        (done,) = stage_runs()  # no second flow run of the stage
+        assert done.id == left.id and done.state.is_completed(), done.state
+        assert read_latest(RunLayout(str(tmp_path / "runs"), "lifetime")) == 1
     finally:
         os.killpg(worker.pid, signal.SIGKILL)
         worker.wait(timeout=30)
