@@ -200,9 +200,10 @@ def _run_on_work_pool(
 ) -> None:
     """The stage as a flow run of `spec['deployment']` (flows/stage.py), waited for; its failure is
     ours. A flow run of the same stage that an earlier launcher left going (Scheduled, Pending or
-    Running: that launcher's machine was lost with its guard) is waited for instead of a new one. A guard cancels the flow run should this process die while waiting, and this process
-    cancels it when the wait is interrupted (Ctrl-C, SIGTERM): the stage does not run on without
-    its flow (tasks.lifetime)."""
+    Running: that launcher's machine was lost with its guard) is waited for instead of a new one.
+    A guard cancels the flow run should this process die while waiting, and this process cancels it
+    when the wait is interrupted (Ctrl-C, SIGTERM): the stage does not run on without its flow
+    (tasks.lifetime)."""
     import time
 
     from prefect.client.orchestration import get_client
@@ -218,19 +219,19 @@ def _run_on_work_pool(
         "storage_options": dict(storage_options or {}),
     }
     name = f"{run}/iter-{iteration:04d}/{stage}"
-    where = f"stage {stage} of iteration {iteration} of run {run!r} on deployment {spec['deployment']}: flow run"
     with get_client(sync_client=True) as client:
-        flow_run = _unfinished_flow_run(client, spec["deployment"], name, parameters)
-    if flow_run is not None:
-        # a launcher that died without cancelling it (its machine lost with its guard) left it going
-        status = flow_run.state.name if flow_run.state else "without a state"
-        logger.warning(
-            "%s %s (%s): attaching to it (%s, from an earlier attempt) instead of starting another",
-            *(where, flow_run.name, flow_run.id, status),
-        )
-    else:
+        # one that a launcher which died without cancelling it (its machine lost with its guard) left going
+        left = _unfinished_flow_run(client, spec["deployment"], name, parameters)
+    if left is None:
         logger.info("running %s of iteration %d on deployment %s", stage, iteration, spec["deployment"])
         flow_run = run_deployment(spec["deployment"], parameters=parameters, flow_run_name=name, timeout=0)
+    else:
+        flow_run = left
+    where = f"stage {stage} of iteration {iteration} of run {run!r} on deployment {spec['deployment']}"
+    who = f"{where}: flow run {name} ({flow_run.id})"
+    if left is not None:
+        status = left.state.name if left.state else "without a state"
+        logger.warning("%s: attaching to it (%s, from an earlier attempt) instead of starting another", who, status)
     guard = guard_flow_run(flow_run.id)
     try:
         started = time.monotonic()
@@ -248,9 +249,9 @@ def _run_on_work_pool(
                 ):
                     pool = flow_run.work_pool_name
                     logger.warning(
-                        "%s %s (%s) has waited %.0f s for a worker of work pool %r (%s); is one running? "
+                        "%s has waited %.0f s for a worker of work pool %r (%s); is one running? "
                         "prefect worker start --pool %s",
-                        *(where, flow_run.name, flow_run.id, waited, pool, flow_run.state.name, pool),
+                        *(who, waited, pool, flow_run.state.name, pool),
                     )
                     warned = True
                 time.sleep(1)
@@ -263,15 +264,14 @@ def _run_on_work_pool(
         guard.wait()
     state = flow_run.state
     if state is not None and state.is_crashed():
-        raise StageInfrastructureLost(f"{where} {flow_run.name} ({flow_run.id}) Crashed: {state.message}")
+        raise StageInfrastructureLost(f"{who} Crashed: {state.message}")
     if state is None or not state.is_final():
         raise StageProcessError(
-            f"{where} {flow_run.name} ({flow_run.id}) did not end within launch.{stage}.timeout_s="
-            f"{spec['timeout_s']} (it is {state.name if state else 'without a state'}); the wait stopped, the "
-            f"flow run goes on"
+            f"{who} did not end within launch.{stage}.timeout_s={spec['timeout_s']} (it is "
+            f"{state.name if state else 'without a state'}); the wait stopped, the flow run goes on"
         )
     if not state.is_completed():
-        raise StageProcessError(f"{where} {flow_run.name} ({flow_run.id}) ended {state.name}: {state.message}")
+        raise StageProcessError(f"{who} ended {state.name}: {state.message}")
 
 
 def _unfinished_flow_run(client: Any, deployment: str, name: str, parameters: Mapping[str, Any]) -> Any | None:

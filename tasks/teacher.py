@@ -167,7 +167,7 @@ def run_teacher(root: str, run_name: str, iteration: int) -> dict | None:
         metrics["teacher/tokens_per_second"] = scored_tokens / max(score_seconds, 1e-9)
         metrics["teacher/prompt_length_mean"] = float(np.mean([len(t) for t in teacher_ids])) if n_rows else 0.0
         # the processes that scored (torchrun ranks of the Megatron scorer), for per-GPU rates
-        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        distributed = torch.distributed.is_initialized()
         metrics["teacher/ranks"] = float(torch.distributed.get_world_size()) if distributed else 1.0
 
     out = dict(columns)

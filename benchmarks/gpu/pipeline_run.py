@@ -143,7 +143,7 @@ def read_run(root: str, name: str, *, tracking_uri: str, flops: tuple[float, flo
             # MFU per GPU: a token's FLOPs (2N + 2 L S d_q forward, 3x that trained) at the stage's mean
             # sequence length S, times the stage's tokens/s per GPU, over the GPU's dense bf16 peak
             base, attention = flops
-            train_len = metrics["rollout/response_length_mean"]
+            train_len = row["response_length_mean"]
             teacher_len = train_len + metrics.get("teacher/prompt_length_mean", 0.0)
             row["train_mfu"] = round(
                 3 * (base + attention * train_len) * row["train_tokens_per_s_per_gpu"] / PEAK_BF16_FLOPS, 4

@@ -83,6 +83,26 @@ def _kinds(processes: list[psutil.Process]) -> set[str]:
     return found
 
 
+def _stage_runs(deployment: str) -> list:
+    """The flow runs of this test's train stage on `deployment` (other tests' runs are named alike)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId, FlowRunFilter, FlowRunFilterName
+
+    named = FlowRunFilter(name=FlowRunFilterName(any_=["lifetime/iter-0001/train"]))
+    with get_client(sync_client=True) as client:
+        ours = DeploymentFilter(id=DeploymentFilterId(any_=[client.read_deployment_by_name(deployment).id]))
+        return client.read_flow_runs(flow_run_filter=named, deployment_filter=ours)
+
+
+def _wait_for_stage_run(deployment: str, flow: subprocess.Popen, log: Path) -> None:
+    """Until the train stage's flow run runs on the worker, and 3 s more (well into its start-up)."""
+    deadline = time.monotonic() + 300
+    while not any(r.state is not None and r.state.is_running() for r in _stage_runs(deployment)):
+        assert flow.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
+        time.sleep(0.5)
+    time.sleep(3)
+
+
 def test_a_run_killed_with_sigkill_takes_its_stage_process_and_prefect_server_with_it(tmp_path):
     flow, log = _start(tmp_path, {"train": {"launcher": "subprocess"}}, **PAUSED_TRAIN)
     below = _wait_for_stage(flow, log)
@@ -198,31 +218,17 @@ def test_sigterm_and_sighup_end_a_command_through_its_cleanup(signum):
 def test_a_stage_on_a_work_pool_is_cancelled_when_its_run_is_killed(tmp_path, prefect_server):
     """The train stage runs as a flow run on a real process worker and pauses there; the run's
     process is killed with SIGKILL; its guard sets the flow run to Cancelling and the worker ends it."""
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId, FlowRunFilter, FlowRunFilterName
-
     deployment, worker = start_stage_worker(tmp_path, prefect_server, **PAUSED_TRAIN)  # the stage pauses there
     try:
         flow, log = _start(
             tmp_path, {"train": {"launcher": "work-pool", "deployment": deployment}}, api_url=prefect_server
         )
-        named = FlowRunFilter(name=FlowRunFilterName(any_=["lifetime/iter-0001/train"]))
-
-        def stage_run():  # of this test's deployment: other tests' runs are named alike
-            with get_client(sync_client=True) as client:
-                ours = DeploymentFilter(id=DeploymentFilterId(any_=[client.read_deployment_by_name(deployment).id]))
-                runs = client.read_flow_runs(flow_run_filter=named, deployment_filter=ours)
-            return runs[0] if runs else None
-
-        deadline = time.monotonic() + 300
-        while (found := stage_run()) is None or found.state is None or not found.state.is_running():
-            assert flow.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
-            time.sleep(0.5)
-        time.sleep(3)  # the stage's flow run is well into its start-up on the worker
+        _wait_for_stage_run(deployment, flow, log)
         below = psutil.Process(worker.pid).children(recursive=True)  # the flow run's process
         assert below, (tmp_path / "worker.log").read_text()[-3000:]
         flow.kill()
         flow.wait()
+        stage_run = lambda: _stage_runs(deployment)[0]  # noqa: E731
         deadline = time.monotonic() + 60
         while stage_run().state.type.value not in ("CANCELLED", "CANCELLING") and time.monotonic() < deadline:
             time.sleep(0.5)
@@ -237,36 +243,22 @@ def test_a_resumed_run_waits_for_the_stage_flow_run_its_lost_process_left(tmp_pa
     """The run's process and its guard die together (the machine that ran them is lost) while the
     train stage runs on a work pool; the same command, run again, waits for that flow run instead of
     starting a second one, and finishes once the stage does."""
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId, FlowRunFilter, FlowRunFilterName
-
     from storage.layout import RunLayout
     from storage.manifest import read_latest
 
     go = tmp_path / "go"  # the paused stage goes on once this file exists
     deployment, worker = start_stage_worker(tmp_path, prefect_server, **PAUSED_TRAIN, SDPO_PAUSE_UNTIL=str(go))
     launch = {"train": {"launcher": "work-pool", "deployment": deployment}}
-    named = FlowRunFilter(name=FlowRunFilterName(any_=["lifetime/iter-0001/train"]))
-
-    def stage_runs() -> list:  # of this test's deployment: other tests' runs are named alike
-        with get_client(sync_client=True) as client:
-            ours = DeploymentFilter(id=DeploymentFilterId(any_=[client.read_deployment_by_name(deployment).id]))
-            return client.read_flow_runs(flow_run_filter=named, deployment_filter=ours)
-
     try:
         flow, log = _start(tmp_path, launch, api_url=prefect_server)
-        deadline = time.monotonic() + 300
-        while not any(r.state is not None and r.state.is_running() for r in stage_runs()):
-            assert flow.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
-            time.sleep(0.5)
-        time.sleep(3)
+        _wait_for_stage_run(deployment, flow, log)
         guards = [p for p in psutil.Process(flow.pid).children(recursive=True) if "tasks.lifetime" in _command_line(p)]
         assert guards, log.read_text()[-3000:]
         for guard in guards:
             guard.kill()
         flow.kill()
         flow.wait()
-        (left,) = stage_runs()
+        (left,) = _stage_runs(deployment)
         assert left.state.is_running(), left.state
 
         again, log = _start(tmp_path, launch, api_url=prefect_server)
@@ -278,7 +270,7 @@ def test_a_resumed_run_waits_for_the_stage_flow_run_its_lost_process_left(tmp_pa
             time.sleep(0.5)
         go.touch()
         assert again.wait(timeout=300) == 0, log.read_text()[-4000:]
-        (done,) = stage_runs()  # no second flow run of the stage
+        (done,) = _stage_runs(deployment)  # no second flow run of the stage
         assert done.id == left.id and done.state.is_completed(), done.state
         assert read_latest(RunLayout(str(tmp_path / "runs"), "lifetime")) == 1
     finally:
