@@ -18,7 +18,9 @@ as RSS and as PSS (shared pages split between the processes that map them). Our 
 (benchmarks/gpu/pipeline_run.py: it writes the model, starts `sdpo run` and reads the run back
 after it ends) is the tree's root and is not counted; TRL's trainer is its harness's own process.
 Where the time goes: TRL's generation and no-gradient forwards (its teacher) against our rollout,
-teacher and train stages' compute; where the memory goes: our tree's processes at its peak.
+teacher and train stages' compute; the share of our iteration outside the three stages (each
+stage's seconds run through writing its outputs: shards, checkpoints) and outside their compute;
+where the memory goes: our tree's processes at its peak.
 TRL's trainer is imported from the bench venv, never from the project's.
 """
 
@@ -162,6 +164,7 @@ def one_pair(size: str, pair: int, args: argparse.Namespace, env: dict[str, str]
         "trl_generate_s": trl_median("generate_s"),
         "trl_teacher_s": trl_median("teacher_forward_s"),
         "trl_student_forward_s": trl_median("student_forward_s"),
+        "ours_write_s": round(statistics.median(r["rollout_write_s"] + r["teacher_write_s"] for r in steady), 3),
         "outside_stages_share": median("outside_stages_share"),
         "outside_compute_share": median("outside_compute_share"),
         "trl_process_s": round(trl_wall, 1),
@@ -202,10 +205,10 @@ def main() -> None:
             rows.append(row)
             print("RESULT " + json.dumps({"bench": "peer_trl_pair", **row}), flush=True)
     print(
-        "\n| work | TRL s/step | ours s/iteration | ours / TRL | ours compute s | outside stages "
+        "\n| work | TRL s/step | ours s/iteration | ours / TRL | ours compute s | outside stages | outside compute "
         "| peak RSS ours / TRL GiB | peak PSS ours / TRL GiB |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     medians = {}
     for size in args.sizes:
         mine = [r for r in rows if r["size"] == size]
@@ -218,21 +221,22 @@ def main() -> None:
         print(
             f"| {prompts} × {group}, ≤ {tokens} new tokens | {med['trl_s']:.2f} | {med['ours_s']:.2f} | "
             f"**{med['ours_s'] / med['trl_s']:.2f}** | {med['ours_compute_s']:.2f} | {med['outside_stages_share']:.1%} | "
+            f"{med['outside_compute_share']:.1%} | "
             f"{med['ours_peak_rss_gib']:.2f} / {med['trl_peak_rss_gib']:.2f} | "
             f"{med['ours_peak_pss_gib']:.2f} / {med['trl_peak_pss_gib']:.2f} |"
         )
     print(
         "\n| work | sampling TRL / ours s | teacher forward TRL / ours s | the rest of TRL's step / our "
-        "training s | ours outside compute s |"
+        "training s | ours outside compute s | of which shard writes s |"
     )
-    print("|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|")
     for size, med in medians.items():
         prompts, group, tokens, *_ = SIZES[size]
         trl_rest = med["trl_s"] - med["trl_generate_s"] - med["trl_teacher_s"]
         print(
             f"| {prompts} × {group}, ≤ {tokens} new tokens | {med['trl_generate_s']:.2f} / {med['ours_rollout_s']:.2f} | "
             f"{med['trl_teacher_s']:.2f} / {med['ours_teacher_s']:.2f} | {trl_rest:.2f} / {med['ours_train_s']:.2f} | "
-            f"{med['ours_s'] - med['ours_compute_s']:.2f} |"
+            f"{med['ours_s'] - med['ours_compute_s']:.2f} | {med['ours_write_s']:.2f} |"
         )
     print("\nour process tree's PSS at its peak, by process (GiB):")
     for row in rows:

@@ -37,7 +37,7 @@ from storage.retry import RetryPolicy
 from storage.schemas import ROLLOUT, TEACHER, ShardSchema
 from storage.shard_columns import Ragged, ragged, topk
 from storage.shard_reader import read_batches, read_stage_columns, read_table
-from storage.shard_writer import ShardWriter, write_stage
+from storage.shard_writer import ShardWriter, write_shards
 from storage.stages import StageOutput, read_eval, read_stage_file, write_eval, write_stage_manifest
 
 __all__ = [
@@ -90,6 +90,6 @@ __all__ = [
     "topk",
     "upload_checkpoint",
     "write_eval",
-    "write_stage",
+    "write_shards",
     "write_stage_manifest",
 ]

@@ -5,13 +5,14 @@ pyarrow arrays), checks the schema invariants, and writes row groups of `row_gro
 `part-<i>.parquet` files of at most `rows_per_shard` rows. At most one row group (plus the batch being
 handed in) is held in memory. On s3 each shard is spooled to a local temp file and uploaded whole
 (retried as a unit); on file:// and memory:// it is streamed in place. sha256 and byte counts are
-taken while writing. `write_stage` writes one column dict as a whole stage and commits it.
+taken while writing. `write_shards` writes one column dict as the whole output of a stage and
+returns it for the caller to commit.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +23,6 @@ import pyarrow.parquet as pq
 
 from storage.errors import ShardInvariantError
 from storage.layout import RunLayout
-from storage.manifest import Manifest
 from storage.objects import HashingSink
 from storage.schemas import STAGE_SCHEMAS, TOPK_LAYOUT, LogprobDtype, ShardSchema, check_rows
 from storage.scratch import spool_file
@@ -242,7 +242,7 @@ class ShardWriter:
         self.stage._writer_closed()
 
 
-def write_stage(
+def write_shards(
     layout: RunLayout,
     n: int,
     stage: str,
@@ -250,18 +250,17 @@ def write_stage(
     *,
     top_k: int | None = None,
     logprob_dtype: LogprobDtype = "float32",
-    parents: Sequence[Manifest | Mapping[str, str]] = (),
-    metrics: Mapping[str, Any] | None = None,
-    timings: Mapping[str, float] | None = None,
     rows_per_shard: int = DEFAULT_ROWS_PER_SHARD,
     row_group_size: int = DEFAULT_ROW_GROUP_SIZE,
-) -> Manifest:
-    """Write one column dict as the whole shard output of a rollout or teacher stage and commit it.
+) -> StageOutput:
+    """Write one column dict as the whole shard output of a rollout or teacher stage, not yet
+    committed: `write_shards(...).commit(parents=..., metrics=...)` writes its manifest, last, so a
+    stage's recorded seconds can include the writing.
 
     `top_k` defaults to the K of the `topk_ids` rows (pass it when there may be no rows).
     """
     if stage not in STAGE_SCHEMAS:
-        raise ValueError(f"write_stage writes shard stages {tuple(STAGE_SCHEMAS)}, not {stage!r}")
+        raise ValueError(f"write_shards writes shard stages {tuple(STAGE_SCHEMAS)}, not {stage!r}")
     k = top_k if top_k is not None else infer_top_k(columns["topk_ids"])
     if k is None:
         raise ValueError(f"cannot infer top_k for {stage} of iteration {n} from empty topk_ids; pass top_k")
@@ -275,4 +274,4 @@ def write_stage(
         row_group_size=row_group_size,
     ) as writer:
         writer.write(columns)
-    return output.commit(parents=parents, metrics=metrics, timings=timings)
+    return output

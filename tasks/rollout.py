@@ -92,12 +92,18 @@ def effective_top_k(cfg: RunConfig, vocab_size: int) -> int:
 
 
 def verify(cfg: RunConfig, response_text: str, label: str, *, truncated: bool):
-    """The configured verifier's verdict; code runs in the sandbox (bounded by its `total_s`), every
-    other verifier in a worker that gets `verifier.time_budget_s` per answer (tasks/sandbox/budget.py)."""
+    """The configured verifier's verdict on one answer (see `verify_all`)."""
+    return verify_all(cfg, [(response_text, label, truncated)])[0]
+
+
+def verify_all(cfg: RunConfig, requests: list[tuple[str, str, bool]]) -> list:
+    """The configured verifier's verdicts on (response_text, label, truncated) requests, in order;
+    code runs in the sandbox (bounded by its `total_s`), every other verifier in a worker that gets
+    `verifier.time_budget_s` per answer and takes the whole list in one pass (tasks/sandbox/budget.py)."""
     if cfg.verifier.name == "code":
         from tasks.sandbox.program import verify_code
 
-        return verify_code(response_text, label, truncated=truncated, **cfg.verifier.kwargs)
+        return [verify_code(text, label, truncated=cut, **cfg.verifier.kwargs) for text, label, cut in requests]
     from tasks.sandbox.budget import BudgetedVerifier
 
     key = (cfg.verifier.name, json.dumps(cfg.verifier.kwargs, sort_keys=True), cfg.verifier.time_budget_s)
@@ -106,7 +112,7 @@ def verify(cfg: RunConfig, response_text: str, label: str, *, truncated: bool):
         verifier = _VERIFIERS[key] = BudgetedVerifier(
             cfg.verifier.name, cfg.verifier.kwargs, budget_s=cfg.verifier.time_budget_s
         )
-    return verifier(response_text, label, truncated=truncated)
+    return verifier.many(requests)
 
 
 def sample_groups(
@@ -147,32 +153,39 @@ def sample_groups(
     )
     gen_seconds = time.perf_counter() - started
 
+    answers = [
+        (group_id, row, ids, gen)
+        for group_id, (row, ids, group) in enumerate(zip(rows, prompt_ids, generations, strict=True))
+        for gen in group
+    ]
+    texts = [tokenizer.decode(gen.response_ids, skip_special_tokens=True) for *_, gen in answers]
+    # every answer judged in one pass through the verifier's worker
+    requests = [
+        (text, row["label"], gen.finish_reason == "length")
+        for text, (_, row, _, gen) in zip(texts, answers, strict=True)
+    ]
+    verdicts = verify_all(cfg, requests)
     cols: dict[str, list[Any]] = {name: [] for name in _ROLLOUT_COLUMNS}
-    sample_id = 0
-    for group_id, (row, ids, group) in enumerate(zip(rows, prompt_ids, generations, strict=True)):
-        for gen in group:
-            text = tokenizer.decode(gen.response_ids, skip_special_tokens=True)
-            verdict = verify(cfg, text, row["label"], truncated=gen.finish_reason == "length")
-            cols["sample_id"].append(sample_id)
-            cols["group_id"].append(group_id)
-            cols["iteration"].append(iteration)
-            cols["prompt_id"].append(str(row["prompt_id"]))
-            cols["prompt_messages"].append(row["prompt_messages"])
-            cols["prompt_ids"].append(ids)
-            cols["response_ids"].append(list(gen.response_ids))
-            cols["response_text"].append(text)
-            cols["sampled_logprobs"].append(np.asarray(gen.sampled_logprobs, dtype=np.float32))
-            cols["topk_ids"].append(np.asarray(gen.topk_ids, dtype=np.int32))
-            cols["topk_logprobs"].append(np.asarray(gen.topk_logprobs, dtype=np.float32))
-            cols["finish_reason"].append(gen.finish_reason)
-            cols["reward"].append(float(verdict.reward))
-            cols["feedback"].append(verdict.feedback)
-            cols["format_error"].append(bool(verdict.format_error))
-            cols["label"].append(str(row["label"]))
-            cols["data_source"].append(str(row["data_source"]))
-            cols["teacher_prompt"].append(row.get("teacher_prompt"))
-            cols["extra_json"].append(json.dumps(row.get("metadata", {}), sort_keys=True))
-            sample_id += 1
+    for sample_id, (text, verdict, (group_id, row, ids, gen)) in enumerate(zip(texts, verdicts, answers, strict=True)):
+        cols["sample_id"].append(sample_id)
+        cols["group_id"].append(group_id)
+        cols["iteration"].append(iteration)
+        cols["prompt_id"].append(str(row["prompt_id"]))
+        cols["prompt_messages"].append(row["prompt_messages"])
+        cols["prompt_ids"].append(ids)
+        cols["response_ids"].append(list(gen.response_ids))
+        cols["response_text"].append(text)
+        cols["sampled_logprobs"].append(np.asarray(gen.sampled_logprobs, dtype=np.float32))
+        cols["topk_ids"].append(np.asarray(gen.topk_ids, dtype=np.int32))
+        cols["topk_logprobs"].append(np.asarray(gen.topk_logprobs, dtype=np.float32))
+        cols["finish_reason"].append(gen.finish_reason)
+        cols["reward"].append(float(verdict.reward))
+        cols["feedback"].append(verdict.feedback)
+        cols["format_error"].append(bool(verdict.format_error))
+        cols["label"].append(str(row["label"]))
+        cols["data_source"].append(str(row["data_source"]))
+        cols["teacher_prompt"].append(row.get("teacher_prompt"))
+        cols["extra_json"].append(json.dumps(row.get("metadata", {}), sort_keys=True))
 
     rewards = np.asarray(cols["reward"], dtype=np.float64)
     lengths = np.asarray([len(r) for r in cols["response_ids"]], dtype=np.float64)
@@ -217,7 +230,7 @@ def run_rollout(root: str, run_name: str, iteration: int) -> dict:
     """Rollout stage of `iteration`: returns its manifest (skips when already committed)."""
     from storage.checkpoints import resolve_checkpoint
     from storage.manifest import read_stage_manifest, stage_done
-    from storage.shard_writer import write_stage
+    from storage.shard_writer import write_shards
     from tasks.data.prompts import iteration_prompts, training_rows
     from tasks.runtime import behaviour_iteration, open_run
 
@@ -251,13 +264,8 @@ def run_rollout(root: str, run_name: str, iteration: int) -> dict:
     )
     metrics["rollout/behaviour_iteration"] = float(behaviour)
     metrics["rollout/staleness"] = float(iteration - 1 - behaviour)
-    metrics["rollout/stage_seconds"] = time.perf_counter() - started
-    return write_stage(
-        run.layout,
-        iteration,
-        "rollout",
-        columns,
-        logprob_dtype=cfg.storage.logprob_dtype,
-        parents=[policy],  # the behaviour policy
-        metrics=metrics,
-    )
+    written = time.perf_counter()
+    output = write_shards(run.layout, iteration, "rollout", columns, logprob_dtype=cfg.storage.logprob_dtype)
+    metrics["rollout/write_seconds"] = time.perf_counter() - written
+    metrics["rollout/stage_seconds"] = time.perf_counter() - started  # its shards written; the manifest holds it
+    return output.commit(parents=[policy], metrics=metrics)  # parent: the behaviour policy

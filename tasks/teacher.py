@@ -84,7 +84,7 @@ def run_teacher(root: str, run_name: str, iteration: int) -> dict | None:
     from storage.checkpoints import resolve_checkpoint
     from storage.manifest import read_stage_manifest, stage_done
     from storage.shard_reader import read_stage_columns
-    from storage.shard_writer import write_stage
+    from storage.shard_writer import write_shards
     from tasks import scoring_models
     from tasks.engines.scorer import score_teacher
     from tasks.rollout import render_prompt_ids
@@ -179,16 +179,11 @@ def run_teacher(root: str, run_name: str, iteration: int) -> dict | None:
     out["teacher_sampled_logprobs"] = token_lp
     out["advantage"] = advantages.numpy().astype(np.float32).tolist()
     metrics["teacher/sample_mask_fraction"] = float(np.mean(masks)) if n_rows else 0.0
-    metrics["teacher/stage_seconds"] = time.perf_counter() - started
     if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
         return None  # under torchrun every rank scored its share; rank 0 writes the stage
-    return write_stage(
-        run.layout,
-        iteration,
-        "teacher",
-        out,
-        logprob_dtype=cfg.storage.logprob_dtype,
-        # the rollout it scored and the checkpoint whose weights scored it
-        parents=[parent, teacher_manifest],
-        metrics=metrics,
-    )
+    written = time.perf_counter()
+    output = write_shards(run.layout, iteration, "teacher", out, logprob_dtype=cfg.storage.logprob_dtype)
+    metrics["teacher/write_seconds"] = time.perf_counter() - written
+    metrics["teacher/stage_seconds"] = time.perf_counter() - started  # its shards written; the manifest holds it
+    # parents: the rollout it scored and the checkpoint whose weights scored it
+    return output.commit(parents=[parent, teacher_manifest], metrics=metrics)

@@ -131,7 +131,7 @@ def write_synthetic_run(
     from storage.layout import RunLayout, create_or_open_run
     from storage.schemas import ROLLOUT
     from storage.shard_columns import Ragged
-    from storage.shard_writer import write_stage
+    from storage.shard_writer import write_shards
     from storage.synthetic import synthetic_columns, synthetic_topk
     from tasks.config import load_config, to_dict
     from tasks.data.bootstrap_model import build_tokenizer
@@ -206,7 +206,7 @@ def write_synthetic_run(
         "sample_mask": [c.mask for c in ordered],
     }
     sizes = {"rows_per_shard": rows_per_shard, "row_group_size": row_group_size}
-    rollout = write_stage(layout, iteration, "rollout", {c: columns[c] for c in ROLLOUT.names}, **sizes)
+    rollout = write_shards(layout, iteration, "rollout", {c: columns[c] for c in ROLLOUT.names}, **sizes).commit()
     if scored:
-        write_stage(layout, iteration, "teacher", columns, parents=[rollout], **sizes)
+        write_shards(layout, iteration, "teacher", columns, **sizes).commit(parents=[rollout])
     return layout

@@ -118,6 +118,8 @@ def read_run(root: str, name: str, *, tracking_uri: str, flops: tuple[float, flo
             row[f"{stage}_stage_s"] = round(metrics[stage_key], 4)
             row[f"{stage}_compute_s"] = round(metrics[compute_key], 4)
             row[f"{stage}_tokens_per_s"] = round(metrics[rate_key])
+        for stage in ("rollout", "teacher"):  # the stage's shards written, inside its stage seconds
+            row[f"{stage}_write_s"] = round(metrics.get(f"{stage}/write_seconds", 0.0), 4)
         row["outside_stages_s"] = round(wall - staged, 4)
         row["outside_stages_share"] = round((wall - staged) / wall, 4)
         compute = sum(metrics[c] for _, c, _ in COMPUTE.values())

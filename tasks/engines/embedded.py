@@ -173,7 +173,8 @@ class EmbeddedEngine(RolloutEngine):
 
         # the prompt's columns, then one per decode step: written once, passed as a growing view
         full_mask = torch.cat([attention_mask, attention_mask.new_ones(batch, max_new_tokens)], dim=1)
-        cache = preallocated_cache(model.config, capacity=width + max_new_tokens)
+        # on the CPU the keys lie position-contiguous for the decode attention's GEMMs (decoding.py)
+        cache = preallocated_cache(model.config, capacity=width + max_new_tokens, keys_transposed=device.type == "cpu")
         # only the last position's logits: the whole prompt's would be [B, width, V] (gigabytes at a
         # 50k vocabulary and a few hundred prompt tokens) for one row of them to be read
         out = model(

@@ -278,6 +278,33 @@ def test_the_inverse_cdf_gives_each_token_exactly_its_share_of_evenly_spread_uni
     assert counts[3] == 0
 
 
+def test_a_cache_with_transposed_keys_hands_out_the_same_keys_and_values():
+    """The CPU's key layout [B, g, d, capacity] against the plain one, through a prompt, decode steps
+    and a row selection: the same [B, g, s, d] views, which the decode attention reads alike."""
+    from tasks.engines.decoding import PreallocatedLayer, _attention
+
+    gen = torch.Generator().manual_seed(5)
+    b, g, d, capacity = 4, 2, 8, 12
+    plain, transposed = PreallocatedLayer(capacity), PreallocatedLayer(capacity, keys_transposed=True)
+    steps = [5, 1, 1, 1]  # a 5-token prompt, then one position a step
+    module = torch.nn.Module().eval()
+    for i, n in enumerate(steps):
+        rows = b if i < 2 else 2
+        k, v = torch.randn(2, rows, g, n, d, generator=gen, dtype=torch.float64)
+        if i == 2:  # rows 1 and 3 finished: both caches keep rows 0 and 2
+            for layer in (plain, transposed):
+                layer.batch_select_indices(torch.tensor([0, 2]))
+        got, want = transposed.update(k, v), plain.update(k, v)
+        assert transposed.key_buffer.shape[-1] == capacity and transposed.keys.stride(-2) == 1
+        for a, z in zip(got, want, strict=True):
+            assert a.shape == z.shape == (rows, g, sum(steps[: i + 1]), d)
+            assert torch.equal(a, z)
+        query = torch.randn(rows, 2 * g, 1, d, generator=gen, dtype=torch.float64)
+        out_t, _ = _attention(module, query, *got, None, scaling=0.4)
+        out_p, _ = _attention(module, query, *want, None, scaling=0.4)
+        torch.testing.assert_close(out_t, out_p, rtol=1e-12, atol=1e-12)
+
+
 def test_cpu_decode_attention_equals_sdpa_with_grouped_heads_and_padding():
     """The decode step's grouped GEMMs (tasks/engines/decoding.py) against torch SDPA on the
     same strided cache views, with 3 query heads per KV head and left padding."""

@@ -31,6 +31,16 @@ def test_two_iterations_commit_shards_checkpoints_and_metrics(tmp_path, prefect_
     # MLflow's monitor publishes a sample only after one interval; with the libraries already
     # imported by earlier tests of the process, the whole run can take about a second
     monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "0.1")
+    # shard writes made slow enough to tell whether a stage's seconds include them
+    from storage.shard_writer import ShardWriter
+
+    write = ShardWriter.write
+
+    def slow_write(self, columns):
+        time.sleep(0.3)
+        return write(self, columns)
+
+    monkeypatch.setattr(ShardWriter, "write", slow_write)
     summary = sdpo_run(str(config), [])
 
     layout = RunLayout(str(tmp_path / "runs"), "tiny")
@@ -50,6 +60,14 @@ def test_two_iterations_commit_shards_checkpoints_and_metrics(tmp_path, prefect_
         # the teacher sequence ends with the student's exact response ids
         assert cols["teacher_prompt_text"][i].endswith("<|im_start|>assistant\n")
     assert np.isfinite(np.concatenate([np.asarray(x).ravel() for x in cols["teacher_topk_logprobs"]])).all()
+
+    from storage.manifest import read_stage_manifest
+
+    for stage, compute in (("rollout", "rollout/seconds"), ("teacher", "teacher/score_seconds")):
+        metrics = read_stage_manifest(layout, 2, stage).data["metrics"]
+        assert metrics[f"{stage}/write_seconds"] >= 0.3
+        # the stage's seconds run through its shards written
+        assert metrics[f"{stage}/stage_seconds"] >= metrics[compute] + metrics[f"{stage}/write_seconds"]
 
     records = lineage(layout)
     assert [r.iteration for r in records if r.kind == "policy"] == [0, 1, 2]

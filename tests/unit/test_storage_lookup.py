@@ -9,7 +9,7 @@ import pytest
 from storage.layout import RunLayout, create_or_open_run
 from storage.lookup import ROW_COLUMN, SHARD_COLUMN, read_index, read_rows
 from storage.shard_reader import read_stage_columns
-from storage.shard_writer import write_stage
+from storage.shard_writer import write_shards
 from storage.synthetic import synthetic_columns
 
 K = 4
@@ -22,7 +22,9 @@ def layout(tmp_path) -> RunLayout:
     columns = synthetic_columns(
         iteration=1, n_rows=50, top_k=K, rng=np.random.default_rng(0), vocab=300, first_sample_id=100, teacher=True
     )
-    write_stage(layout, 1, "teacher", columns, rows_per_shard=16, row_group_size=4)  # 4 shards, 4-row groups
+    write_shards(
+        layout, 1, "teacher", columns, rows_per_shard=16, row_group_size=4
+    ).commit()  # 4 shards of 4-row groups
     return layout
 
 

@@ -31,7 +31,7 @@ from storage import (
     read_stage_manifest,
     read_table,
     topk,
-    write_stage,
+    write_shards,
 )
 from storage.synthetic import synthetic_columns, synthetic_topk
 
@@ -126,9 +126,9 @@ def test_teacher_round_trip_with_float16_logprobs(layout: RunLayout) -> None:
     }
 
 
-def test_write_stage_and_read_stage_columns_round_trip_per_row(layout: RunLayout) -> None:
+def test_write_shards_and_read_stage_columns_round_trip_per_row(layout: RunLayout) -> None:
     columns = _columns(7, teacher=True)
-    manifest = write_stage(layout, 0, "teacher", columns, metrics={"teacher/x": 1.0})
+    manifest = write_shards(layout, 0, "teacher", columns).commit(metrics={"teacher/x": 1.0})
     assert manifest["schema"]["top_k"] == K and manifest["metrics"] == {"teacher/x": 1.0}
     back = read_stage_columns(layout, 0, "teacher")
     assert set(back) == set(TEACHER.names)
@@ -144,14 +144,14 @@ def test_write_stage_and_read_stage_columns_round_trip_per_row(layout: RunLayout
     assert set(some) == {"sample_id", "response_ids"}
 
 
-def test_write_stage_infers_k_or_needs_it_for_no_rows(layout: RunLayout) -> None:
+def test_write_shards_infers_k_or_needs_it_for_no_rows(layout: RunLayout) -> None:
     empty = {name: [] for name in ROLLOUT.names}
     with pytest.raises(ValueError, match="pass top_k"):
-        write_stage(layout, 0, "rollout", empty)
-    assert write_stage(layout, 0, "rollout", empty, top_k=K)["rows"] == 0
+        write_shards(layout, 0, "rollout", empty)
+    assert write_shards(layout, 0, "rollout", empty, top_k=K).commit()["rows"] == 0
     assert read_stage_columns(layout, 0, "rollout")["topk_ids"] == []
     with pytest.raises(ValueError, match="not 'train'"):
-        write_stage(layout, 0, "train", _columns(2))
+        write_shards(layout, 0, "train", _columns(2))
 
 
 def test_python_lists_and_ragged_inputs_are_equivalent(layout: RunLayout) -> None:

@@ -114,9 +114,16 @@ def test_the_react_parser_is_linear():
 
     def seconds(n):
         text = "Thought: go\nAction: search\n" * n + 'Action Input: {"q": "x"}\n' * n
-        started = time.thread_time()
-        tooluse.parse_react_steps(text)
-        return time.thread_time() - started
+        best = float("inf")
+        gc.disable()  # a collection of the whole test session's heap is not the parser's work
+        try:
+            for _ in range(3):  # the least of three: a preempted or cache-cold call is not the parser either
+                started = time.thread_time()
+                tooluse.parse_react_steps(text)
+                best = min(best, time.thread_time() - started)
+        finally:
+            gc.enable()
+        return best
 
     small, large = seconds(2_000), seconds(8_000)
     assert large < 8 * small + 0.05, (small, large)  # 4x the input: about 4x the time, never 16x

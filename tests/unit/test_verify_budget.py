@@ -59,3 +59,38 @@ def test_the_rollout_stage_verifies_through_the_budget(monkeypatch):
     finally:
         for verifier in rollout._VERIFIERS.values():
             verifier.close()
+
+
+def test_many_answers_come_back_in_order_as_one_at_a_time(budgeted):
+    verify = budgeted("math", 30.0)
+    # long enough answers that the requests fill the pipe (64 KiB) before the worker drains it
+    requests = [(f"{'x' * 2000} \\boxed{{{i % 7}}}", "3", i % 5 == 0) for i in range(200)]
+    alone = budgeted("math", 30.0)
+    one_by_one = [alone(text, label, truncated=cut) for text, label, cut in requests]
+    assert sum(v.reward for v in one_by_one) > 0 and any(v.truncated for v in one_by_one)
+    assert verify.many(requests) == one_by_one
+    assert verify.many(requests[:3]) == one_by_one[:3]  # the worker is in step for the next batch
+
+
+def test_an_overrun_inside_a_batch_scores_zero_and_the_rest_are_judged_by_a_fresh_worker(budgeted):
+    verify = budgeted("math", 0.05)
+    verify("\\boxed{1}", "1", truncated=False)  # the worker is up
+    first = verify._process.pid
+    requests = [
+        ("\\boxed{7}", "7", False),
+        (SYMBOLIC, "2", False),
+        ("\\boxed{7}", "7", False),
+        ("\\boxed{6}", "7", False),
+    ]
+    verdicts = verify.many(requests)
+    assert verdicts[1] == overrun_verdict(0.05)
+    assert [v.reward for v in verdicts] == [1.0, 0.0, 1.0, 0.0]
+    assert verify._process.pid != first
+
+
+def test_a_malformed_label_inside_a_batch_raises_and_the_next_batch_is_judged_alone(budgeted):
+    verify = budgeted("math", 5.0)
+    with pytest.raises(ValueError, match="label"):
+        verify.many([("\\boxed{1}", "1", False), ("\\boxed{1}", "   ", False), ("\\boxed{2}", "2", False)])
+    # nothing of the failed batch is left in the pipe to be read as these answers
+    assert [v.reward for v in verify.many([("\\boxed{5}", "4", False), ("\\boxed{4}", "4", False)])] == [0.0, 1.0]
