@@ -157,6 +157,9 @@ class BudgetedVerifier:
                 verdicts.append(
                     Verdict(reward=reward, feedback=feedback, format_error=format_error, truncated=was_truncated)
                 )
+        except BaseException:  # an interrupt too: stop the worker, or a writer blocked on its full pipe never ends
+            self.close()
+            raise
         finally:
             if self._writer is not None:  # close() has joined it when the worker was stopped
                 self._writer.join()

@@ -94,3 +94,37 @@ def test_a_malformed_label_inside_a_batch_raises_and_the_next_batch_is_judged_al
         verify.many([("\\boxed{1}", "1", False), ("\\boxed{1}", "   ", False), ("\\boxed{2}", "2", False)])
     # nothing of the failed batch is left in the pipe to be read as these answers
     assert [v.reward for v in verify.many([("\\boxed{5}", "4", False), ("\\boxed{4}", "4", False)])] == [0.0, 1.0]
+
+
+def test_an_interrupt_while_answers_are_read_stops_the_worker_and_returns(budgeted):
+    import threading
+
+    verify = budgeted("math", 30.0)
+    verify("\\boxed{1}", "1", truncated=False)
+    read = verify._answer
+    calls = []
+
+    def interrupted(timeout):
+        calls.append(timeout)
+        if len(calls) > 3:
+            raise KeyboardInterrupt
+        return read(timeout)
+
+    verify._answer = interrupted
+    # 2,000 answers of 2 kB: far more than the pipes hold, so the request writer is blocked when it comes
+    requests = [("x" * 2000 + " \\boxed{3}", "3", False)] * 2000
+    raised = []
+
+    def judge():
+        try:
+            verify.many(requests)
+        except KeyboardInterrupt:
+            raised.append(True)
+
+    caller = threading.Thread(target=judge, daemon=True)
+    caller.start()
+    caller.join(timeout=20)
+    assert not caller.is_alive() and raised == [True]
+    assert verify._process is None and verify._writer is None
+    verify._answer = read
+    assert [v.reward for v in verify.many([("\\boxed{3}", "3", False)])] == [1.0]
