@@ -92,11 +92,6 @@ def effective_top_k(cfg: RunConfig, vocab_size: int) -> int:
     return cfg.rollout.top_k
 
 
-def verify(cfg: RunConfig, response_text: str, label: str, *, truncated: bool) -> Verdict:
-    """The configured verifier's verdict on one answer (see `verify_all`)."""
-    return verify_all(cfg, [(response_text, label, truncated)])[0]
-
-
 def verify_all(cfg: RunConfig, requests: list[tuple[str, str, bool]]) -> list[Verdict]:
     """The configured verifier's verdicts on (response_text, label, truncated) requests, in order;
     code runs in the sandbox (bounded by its `total_s`), every other verifier in a worker that gets

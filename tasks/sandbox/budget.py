@@ -123,14 +123,14 @@ class BudgetedVerifier:
         if self._process is None:
             self._start()
         assert self._process is not None and self._process.stdin is not None
-        payload = memoryview(b"".join(json.dumps([t, label, bool(cut)]).encode() + b"\n" for t, label, cut in requests))
+        lines = memoryview(b"".join(json.dumps([t, label, bool(cut)]).encode() + b"\n" for t, label, cut in requests))
         fd = self._process.stdin.fileno()
 
         def feed() -> None:  # a thread: the pipe holds 64 KiB, the worker answers as it reads
             sent = 0
             try:
-                while sent < len(payload):
-                    sent += os.write(fd, payload[sent:])
+                while sent < len(lines):
+                    sent += os.write(fd, lines[sent:])
             except BrokenPipeError:  # the worker was stopped (an overrun): the rest goes to the next one
                 pass
 
@@ -149,11 +149,10 @@ class BudgetedVerifier:
                     self.close()
                     verdicts.append(overrun_verdict(self.budget_s))
                     return verdicts
-                kind, payload_ = answer
-                if kind == "label":
-                    self.close()  # requests after it are still queued there
-                    raise ValueError(payload_)
-                reward, feedback, format_error, was_truncated = payload_
+                kind, payload = answer
+                if kind == "label":  # the worker goes (below): requests after it are still queued there
+                    raise ValueError(payload)
+                reward, feedback, format_error, was_truncated = payload
                 verdicts.append(
                     Verdict(reward=reward, feedback=feedback, format_error=format_error, truncated=was_truncated)
                 )

@@ -54,8 +54,8 @@ def test_the_rollout_stage_verifies_through_the_budget(monkeypatch):
     cfg = load_config(None, ["verifier.name=math", "verifier.time_budget_s=0.05"])
     monkeypatch.setattr(rollout, "_VERIFIERS", {})
     try:
-        assert rollout.verify(cfg, SYMBOLIC, "2", truncated=False) == overrun_verdict(0.05)
-        assert rollout.verify(cfg, "\\boxed{3}", "3", truncated=False).reward == 1.0
+        assert rollout.verify_all(cfg, [(SYMBOLIC, "2", False)]) == [overrun_verdict(0.05)]
+        assert rollout.verify_all(cfg, [("\\boxed{3}", "3", False)])[0].reward == 1.0
     finally:
         for verifier in rollout._VERIFIERS.values():
             verifier.close()
