@@ -17,9 +17,16 @@ hands out strided views of its buffers, which BLAS reads without a copy; on the 
 transposed, so the scores GEMM reads each row's positions contiguously). The prompt's forward
 (several queries per row) stays on HF's SDPA.
 
+A captured decode step (`tasks.engines.graph_decode`, CUDA graphs) passes the column it writes and
+each row's first column as device tensors (`decode_column`, `decode_start` keyword arguments of the
+model's forward, which transformers hands to the cache and the attention, with `decode_end` =
+column + 1): the layer then writes that column and returns its whole buffers, and the attention
+reads each row's columns [start, end) (`tasks.engines.decode_attention`), so one graph serves every
+step.
+
 Registered with transformers under `ATTENTION` (an attention function and its mask function, the
-SDPA boolean mask: True = attend); the engine loads CPU models with
-`attn_implementation=ATTENTION`.
+SDPA boolean mask: True = attend); the engine loads its models with `attn_implementation=ATTENTION`
+(on a GPU the attention is SDPA but for the captured step's).
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 __all__ = ["ATTENTION", "PreallocatedLayer", "preallocated_cache", "register_decode_attention"]
 
-ATTENTION = "sdpo_cpu_decode"
+ATTENTION = "sdpo_decode"
 
 
 class PreallocatedLayer(DynamicLayer):
@@ -72,6 +79,14 @@ class PreallocatedLayer(DynamicLayer):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        column = kwargs.get("kwargs", {}).get("decode_column")
+        if column is not None:
+            # a captured step: the column is a device tensor [1]; `filled` is the host's to keep
+            if self.keys_transposed:
+                raise ValueError("a captured decode step writes the plain key layout")
+            self.key_buffer.index_copy_(2, column, key_states)
+            self.value_buffer.index_copy_(2, column, value_states)
+            return self.key_buffer, self.value_buffer
         end = self.filled + key_states.shape[-2]
         if end > self.capacity:
             raise RuntimeError(f"KV cache of {self.capacity} positions cannot take position {end}")
@@ -129,7 +144,14 @@ def _attention(
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     b, h, q, d = query.shape
-    if q != 1 or module.training:
+    start, end = kwargs.pop("decode_start", None), kwargs.pop("decode_end", None)
+    kwargs.pop("decode_column", None)
+    if start is not None:
+        from tasks.engines.decode_attention import decode_attention
+
+        scale = scaling if scaling is not None else d**-0.5
+        return decode_attention(query, key, value, start, end, scale), None
+    if q != 1 or module.training or query.device.type != "cpu":
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )

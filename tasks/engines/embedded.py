@@ -10,6 +10,11 @@ filled prefix, where a growing cache would copy itself every step; `tasks.engine
 so does the attention mask. Rows whose answer has stopped leave the decode once an eighth of the
 decoding rows has stopped (their KV cache rows too), so the remaining steps run on live rows only.
 
+Two decode loops share the prompt's forward and the draws (`tasks.engines.sampling`): on the CPU
+one forward per step from Python (`_decode_eagerly`); on a GPU each step replays a captured CUDA
+graph over a fixed-capacity cache, with rows leaving in batch-size buckets
+(`tasks.engines.graph_decode`). `decode=` picks one explicitly (the tests compare them).
+
 Sampling is reproducible per sample: the uniform draws of sample j of prompt i come from a
 generator seeded with (seed, i, j), so a sample does not depend on which other prompts share its
 batch or on `max_batch_size` (up to float round-off in the batched matmuls).
@@ -20,19 +25,20 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
 
 from tasks.engines.base import Generation, RolloutEngine, SamplingParams
+from tasks.engines.sampling import DecodeOutputs, sample_step
 
 __all__ = ["EmbeddedEngine"]
 
 logger = logging.getLogger(__name__)
 
 _PAD_ID = 0  # what fills padded slots; they are masked out, so any valid id works
-_GPU_STOP_CHECK_EVERY = 16  # decode steps between checks of how many rows have stopped, on a GPU
+_GPU_STOP_CHECK_EVERY = 16  # eager decode steps between checks of how many rows have stopped, on a GPU
 # a decode drops its stopped rows once at most this share of its rows is still live: each drop copies
 # the KV cache's filled prefix, and the rows kept run every step after it
 _DROP_FINISHED_AT = 7 / 8
@@ -48,10 +54,16 @@ class EmbeddedEngine(RolloutEngine):
         device: str = "cpu",
         dtype: torch.dtype = torch.float32,
         max_batch_size: int,
+        decode: Literal["auto", "eager", "static"] = "auto",
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        if decode not in ("auto", "eager", "static"):
+            raise ValueError(f"decode={decode!r}; it must be 'auto', 'eager' or 'static'")
         self._device = torch.device(device)
+        # the static loop (tasks/engines/graph_decode.py) replays CUDA graphs on a GPU; elsewhere it
+        # runs its steps eagerly (what the CPU tests of that loop use); auto: graphs on a GPU only
+        self._static_decode = decode == "static" or (decode == "auto" and self._device.type == "cuda")
         self._dtype = dtype
         self._max_batch_size = max_batch_size
         self._model: torch.nn.Module | None = None
@@ -86,9 +98,11 @@ class EmbeddedEngine(RolloutEngine):
             return
         from tasks.engines.decoding import register_decode_attention
 
-        # on the CPU a decode step attends with grouped GEMMs (tasks/engines/decoding.py)
-        attention = {"attn_implementation": register_decode_attention()} if self._device.type == "cpu" else {}
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=self._dtype, **attention)
+        # on the CPU a decode step attends with grouped GEMMs; a captured step with its bounded decode
+        # attention; the rest with SDPA (tasks/engines/decoding.py)
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=self._dtype, attn_implementation=register_decode_attention()
+        )
         self._model = model.to(self._device).eval()
         self._weight_version = str(path.resolve())
         logger.info("embedded engine loaded %s", self._weight_version)
@@ -171,12 +185,13 @@ class EmbeddedEngine(RolloutEngine):
         stop_ids = torch.tensor(stop_token_ids, dtype=torch.long, device=device)
         u = None if uniforms is None else torch.from_numpy(uniforms).to(device)  # [B, max_new_tokens]
 
-        # the prompt's columns, then one per decode step: written once, passed as a growing view
-        full_mask = torch.cat([attention_mask, attention_mask.new_ones(batch, max_new_tokens)], dim=1)
-        # on the CPU the keys lie position-contiguous for the decode attention's GEMMs (decoding.py)
-        cache = preallocated_cache(model.config, capacity=width + max_new_tokens, keys_transposed=device.type == "cpu")
         # only the last position's logits: the whole prompt's would be [B, width, V] (gigabytes at a
         # 50k vocabulary and a few hundred prompt tokens) for one row of them to be read
+        static = self._static_decode
+        # on the CPU the keys lie position-contiguous for the decode attention's GEMMs (decoding.py)
+        cache = preallocated_cache(
+            model.config, capacity=width + max_new_tokens, keys_transposed=device.type == "cpu" and not static
+        )
         out = model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -186,38 +201,57 @@ class EmbeddedEngine(RolloutEngine):
             logits_to_keep=1,
         )
         logits = out.logits[:, -1, :].float()  # [B, V]
+        outputs = DecodeOutputs.allocate(batch, max_new_tokens, top_k, device)
+        common = dict(uniforms=u, temperature=temperature, top_p=top_p, top_k=top_k, stop_ids=stop_ids, out=outputs)
+        if static:
+            from tasks.engines import graph_decode
+
+            graph_decode.decode(
+                model, cache, logits=logits, lengths=lengths, width=width, max_new_tokens=max_new_tokens,
+                capture=device.type == "cuda", **common,
+            )  # fmt: skip
+        else:
+            self._decode_eagerly(
+                cache, logits=logits, attention_mask=attention_mask, lengths=lengths, width=width,
+                max_new_tokens=max_new_tokens, **common,
+            )  # fmt: skip
+        return _generations(outputs, stop_token_ids)
+
+    def _decode_eagerly(
+        self,
+        cache: Any,
+        *,
+        logits: torch.Tensor,
+        attention_mask: torch.Tensor,
+        lengths: torch.Tensor,
+        width: int,
+        max_new_tokens: int,
+        uniforms: torch.Tensor | None,
+        temperature: float,
+        top_p: float,
+        top_k: int,
+        stop_ids: torch.Tensor,
+        out: DecodeOutputs,
+    ) -> None:
+        """One forward per step from Python, the cache's filled prefix sliced by host integers."""
+        model, device = self.model, self._device
+        batch = logits.shape[0]
+        # the prompt's columns, then one per decode step: written once, passed as a growing view
+        full_mask = torch.cat([attention_mask, attention_mask.new_ones(batch, max_new_tokens)], dim=1)
         next_position = lengths.clone()  # [B]
         # asking how many rows are still decoding waits for the device; on a GPU ask every few steps so
         # the host keeps queueing work (steps past a row's stop are not counted, so the result is the same)
         sync_every = 1 if device.type == "cpu" else _GPU_STOP_CHECK_EVERY
-        # Each step's outputs go into buffers of the whole batch allocated here, once: small
-        # per-step tensors kept alive between each step's large temporaries fragment the heap (on
-        # the CPU a 512 x 256 call then held up to ~2 MB more per decode step, varying run to run).
-        tokens = torch.zeros((batch, max_new_tokens), dtype=torch.long, device=device)  # [B, S]
-        sampled = torch.zeros((batch, max_new_tokens), dtype=torch.float32, device=device)  # [B, S]
-        topk_ids_all = torch.zeros((batch, max_new_tokens, top_k), dtype=torch.int32, device=device)  # [B, S, K]
-        topk_lp_all = torch.zeros((batch, max_new_tokens, top_k), dtype=torch.float32, device=device)  # [B, S, K]
-        num_tokens = torch.zeros(batch, dtype=torch.long, device=device)  # [B]; active steps form a prefix
         # The rows being decoded: decoding row i fills batch row `rows[i]`. Once an eighth of them
         # has stopped (`_DROP_FINISHED_AT`), the stopped ones leave the decode with their KV cache,
         # so a batch whose answers differ in length does not run every row to the longest.
         rows = torch.arange(batch, device=device)  # [b]
         finished = torch.zeros(batch, dtype=torch.bool, device=device)  # [b]
         for step in range(max_new_tokens):
-            logprobs = torch.log_softmax(logits, dim=-1)  # [b, V]
-            if u is None:
-                token = logprobs.argmax(dim=-1)
-            else:
-                # x / 1.0 is x: the common temperature skips a pass over [b, V]
-                scaled = logits if temperature == 1.0 else logits / temperature
-                token = _sample(scaled, top_p=top_p, u=u[rows, step])
-            topk_lp, topk_ids = logprobs.topk(top_k, dim=-1)  # [b, K]
-            tokens[rows, step] = token
-            sampled[rows, step] = logprobs.gather(-1, token[:, None])[:, 0]
-            topk_ids_all[rows, step] = topk_ids.to(torch.int32)
-            topk_lp_all[rows, step] = topk_lp
-            num_tokens[rows] += ~finished
-            finished = finished | torch.isin(token, stop_ids)
+            token, finished = sample_step(
+                logits, rows=rows, step=step, finished=finished, uniforms=uniforms, temperature=temperature,
+                top_p=top_p, top_k=top_k, stop_ids=stop_ids, out=out,
+            )  # fmt: skip
             if step == max_new_tokens - 1:
                 break
             if step % sync_every == sync_every - 1:
@@ -229,7 +263,7 @@ class EmbeddedEngine(RolloutEngine):
                     rows, finished, token = rows[keep], finished[keep], token[keep]
                     next_position, full_mask = next_position[keep], full_mask[keep]
                     cache.batch_select_indices(keep)
-            out = model(
+            result = model(
                 input_ids=token[:, None],
                 attention_mask=full_mask[:, : width + step + 1],
                 position_ids=next_position[:, None],
@@ -237,53 +271,29 @@ class EmbeddedEngine(RolloutEngine):
                 use_cache=True,
                 logits_to_keep=1,
             )
-            logits = out.logits[:, -1, :].float()
+            logits = result.logits[:, -1, :].float()
             next_position = next_position + 1
 
-        tokens_np = tokens.cpu().numpy()  # [B, S]
-        sampled_np = sampled.cpu().numpy()  # [B, S]
-        topk_ids_np = topk_ids_all.cpu().numpy()  # [B, S, K]
-        topk_lp_np = topk_lp_all.cpu().numpy()  # [B, S, K]
-        num_tokens_np = num_tokens.cpu().numpy()  # [B]
-        stop_set = set(stop_token_ids)
-        generations = []
-        for row in range(batch):
-            count = int(num_tokens_np[row])
-            response = tokens_np[row, :count].tolist()
-            generations.append(
-                Generation(
-                    response_ids=response,
-                    sampled_logprobs=sampled_np[row, :count].copy(),
-                    topk_ids=topk_ids_np[row, :count].copy(),
-                    topk_logprobs=topk_lp_np[row, :count].copy(),
-                    finish_reason="stop" if response[-1] in stop_set else "length",
-                )
+
+def _generations(out: DecodeOutputs, stop_token_ids: list[int]) -> list[Generation]:
+    """One `Generation` per batch row, read back from the decode's buffers."""
+    tokens_np = out.tokens.cpu().numpy()  # [B, S]
+    sampled_np = out.sampled.cpu().numpy()  # [B, S]
+    topk_ids_np = out.topk_ids.cpu().numpy()  # [B, S, K]
+    topk_lp_np = out.topk_logprobs.cpu().numpy()  # [B, S, K]
+    num_tokens_np = out.num_tokens.cpu().numpy()  # [B]
+    stop_set = set(stop_token_ids)
+    generations = []
+    for row in range(len(num_tokens_np)):
+        count = int(num_tokens_np[row])
+        response = tokens_np[row, :count].tolist()
+        generations.append(
+            Generation(
+                response_ids=response,
+                sampled_logprobs=sampled_np[row, :count].copy(),
+                topk_ids=topk_ids_np[row, :count].copy(),
+                topk_logprobs=topk_lp_np[row, :count].copy(),
+                finish_reason="stop" if response[-1] in stop_set else "length",
             )
-        return generations
-
-
-def _sample(scaled_logits: torch.Tensor, *, top_p: float, u: torch.Tensor) -> torch.Tensor:
-    """Draw one id per row by inverting the (top-p truncated) CDF at the given uniforms.
-
-    scaled_logits: [B, V] (already divided by the temperature); u: [B] in [0, 1). Returns [B] ids.
-    Without top-p the CDF is taken in vocabulary order (no sort: sorting the vocabulary was half of
-    a decode step on the CPU); with top-p it is taken in descending probability, which the nucleus
-    needs. Either way the draw is exact and a function of the logits and `u` alone.
-    """
-    probs = torch.softmax(scaled_logits, dim=-1)  # [B, V]
-    if top_p >= 1.0:
-        cdf = probs.cumsum(dim=-1)  # [B, V], non-decreasing
-        target = u.to(cdf.dtype)[:, None] * cdf[:, -1:]
-        # the first id whose CDF reaches the target; it has mass, since the CDF rises there
-        return torch.searchsorted(cdf, target).clamp(max=probs.shape[-1] - 1)[:, 0]
-    sorted_probs, sorted_ids = probs.sort(dim=-1, descending=True)
-    # keep the smallest prefix whose mass reaches top_p (the most likely token always stays)
-    keep = (sorted_probs.cumsum(dim=-1) - sorted_probs) < top_p
-    sorted_probs = sorted_probs * keep
-    cdf = sorted_probs.cumsum(dim=-1)  # [B, V]
-    target = u.to(cdf.dtype)[:, None] * cdf[:, -1:]
-    choice = (cdf < target).sum(dim=-1)
-    # round-off can push `target` past the last kept entry; clamp to the last token with mass
-    last_kept = (sorted_probs > 0).sum(dim=-1) - 1
-    choice = torch.minimum(choice, last_kept)
-    return sorted_ids.gather(-1, choice[:, None])[:, 0]
+        )
+    return generations

@@ -194,9 +194,30 @@ def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return torch.nn.functional.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
+# One function (so one code object) per input rank: dynamo keeps its compiled graphs, and counts
+# them against `recompile_limit` (8), per code object. One function for every rank hit the limit
+# in a training iteration (rank-3 packed and rank-4 inputs, q/k norms on strided views, with and
+# without gradients), after which the norms ran eagerly.
+def _rms_norm_rank2(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    return torch.nn.functional.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+def _rms_norm_rank3(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    return torch.nn.functional.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+def _rms_norm_rank4(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    return torch.nn.functional.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+_RMS_NORM_BY_RANK = {2: _rms_norm_rank2, 3: _rms_norm_rank3, 4: _rms_norm_rank4}
+
+
 @functools.cache
-def _compiled_rms_norm() -> Callable[[Tensor, Tensor, float], Tensor]:
-    return torch.compile(_rms_norm, dynamic=True)
+def _compiled_rms_norm(rank: int) -> Callable[[Tensor, Tensor, float], Tensor]:
+    if rank not in _RMS_NORM_BY_RANK:
+        raise ValueError(f"CompiledRMSNorm takes inputs of rank 2, 3 or 4, got rank {rank}")
+    return torch.compile(_RMS_NORM_BY_RANK[rank], dynamic=True)
 
 
 class CompiledRMSNorm(torch.nn.Module):
@@ -223,7 +244,7 @@ class CompiledRMSNorm(torch.nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if self.compiled and x.is_cuda:
-            return _compiled_rms_norm()(x, self.weight, self.eps)
+            return _compiled_rms_norm(x.dim())(x, self.weight, self.eps)
         return _rms_norm(x, self.weight, self.eps)
 
 

@@ -143,3 +143,31 @@ def test_wgrad_accumulation_adds_bf16_products_into_fp32_main_grad():
         wgrad_gemm_accum(total_input, grad_output, main_grad)
     assert main_grad.dtype == torch.float32
     torch.testing.assert_close(main_grad, want, rtol=1e-3, atol=1e-2)
+
+
+def test_compiled_rms_norm_stays_compiled_across_ranks_strides_and_grad_modes():
+    """Every input a training iteration and the Megatron scorer give the norms (packed rank 3,
+    rank 4, strided q/k views, with and without gradients) runs compiled: none hits dynamo's
+    recompile limit, after which the norm would run eagerly."""
+    from types import SimpleNamespace
+
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from tasks.megatron import fusions
+    from tasks.megatron.fusions import CompiledRMSNorm
+
+    config = SimpleNamespace(normalization="RMSNorm", sequence_parallel=False, params_dtype=torch.bfloat16)
+    norms = {d: CompiledRMSNorm(config, d).cuda() for d in (128, 1024)}
+    shapes = [(512, 1024), (37, 2, 1024), (64, 1, 16, 128), (300, 16, 128), (50, 3, 8, 128)]
+    for grad in (True, False):
+        for shape in shapes:
+            for strided in (False, True):
+                full = torch.randn(*shape[:-1], 2 * shape[-1], device="cuda", dtype=torch.bfloat16)
+                x = full[..., : shape[-1]] if strided else full[..., : shape[-1]].contiguous()
+                with torch.set_grad_enabled(grad):
+                    out = norms[shape[-1]](x if strided else x.requires_grad_(grad))
+                expected = torch.nn.functional.rms_norm(x.detach().float(), (shape[-1],), None, 1e-5)
+                torch.testing.assert_close(out.detach().float(), expected, atol=2e-2, rtol=2e-2)
+    limit = torch._dynamo.config.recompile_limit
+    graphs = {f.__name__: len(_debug_get_cache_entry_list(f.__code__)) for f in fusions._RMS_NORM_BY_RANK.values()}
+    assert max(graphs.values()) < limit, graphs

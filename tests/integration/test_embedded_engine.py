@@ -32,10 +32,11 @@ def checkpoint(tmp_path_factory):
     return path, tokenizer
 
 
-@pytest.fixture(scope="module")
-def engine(checkpoint):
+@pytest.fixture(scope="module", params=["eager", "static"])
+def engine(checkpoint, request):
+    """Both decode loops: the eager one (the CPU's) and the static one a GPU captures, run eagerly."""
     path, _ = checkpoint
-    engine = EmbeddedEngine(str(path), max_batch_size=4)
+    engine = EmbeddedEngine(str(path), max_batch_size=4, decode=request.param)
     yield engine
     engine.close()
 
@@ -183,6 +184,61 @@ def test_rows_that_stop_leave_the_decode_and_no_sample_changes(checkpoint, promp
     alone.close()
 
 
+def test_the_static_loop_moves_stopped_rows_to_smaller_buckets_and_no_sample_changes(checkpoint, prompts):
+    """The loop a GPU captures keeps fixed batch sizes: rows that stopped leave in buckets (every 16
+    steps at most), filled up with finished rows, and every sample is still the eager loop's."""
+    from tasks.engines.graph_decode import BUCKETS
+
+    path, _ = checkpoint
+    static = EmbeddedEngine(str(path), max_batch_size=64, decode="static")
+    eager = EmbeddedEngine(str(path), max_batch_size=1, decode="eager")
+    probe = sample(eager, prompts, n=4, max_new_tokens=40, seed=5)
+    # a stop id that rows draw at different steps: the commonest token among the first ten
+    firsts = [t for group in probe for g in group for t in g.response_ids[:10]]
+    stop = max(set(firsts), key=firsts.count)
+    widths: list[int] = []
+    handle = static.model.register_forward_pre_hook(
+        lambda _m, args, kw: widths.append(kw["input_ids"].shape[0]), with_kwargs=True
+    )
+    try:
+        together = sample(static, prompts, n=4, max_new_tokens=40, seed=5, stop_token_ids=[stop])
+    finally:
+        handle.remove()
+    single = sample(eager, prompts, n=4, max_new_tokens=40, seed=5, stop_token_ids=[stop])
+    lengths = sorted(len(g.response_ids) for group in together for g in group)
+    assert lengths[0] < 16 and lengths[-1] > 16, lengths  # some rows stop before the first bucket check
+    assert widths[0] == 12 and min(widths) < 12 and widths == sorted(widths, reverse=True), widths
+    assert set(widths[1:]) <= set(BUCKETS) | {12}, widths
+    for a, b in zip(together, single, strict=True):
+        assert [g.response_ids for g in a] == [g.response_ids for g in b]
+        assert [g.finish_reason for g in a] == [g.finish_reason for g in b]
+        for x, y in zip(a, b, strict=True):
+            np.testing.assert_allclose(x.sampled_logprobs, y.sampled_logprobs, atol=1e-5)
+            np.testing.assert_allclose(x.topk_logprobs, y.topk_logprobs, atol=1e-5)
+            np.testing.assert_array_equal(x.topk_ids, y.topk_ids)
+    static.close()
+    eager.close()
+
+
+def test_the_bounded_decode_attention_equals_sdpa_over_each_rows_columns():
+    """The captured step's attention reads columns [start_b, end) of a full-capacity cache: it equals
+    SDPA over just those columns, with grouped query heads."""
+    from tasks.engines.decode_attention import decode_attention
+
+    torch.manual_seed(0)
+    b, g, r, capacity, d = 3, 2, 3, 20, 8
+    q = torch.randn(b, g * r, 1, d)
+    k, v = torch.randn(b, g, capacity, d), torch.randn(b, g, capacity, d)
+    start, end = torch.tensor([0, 4, 9]), torch.tensor([15])
+    out = decode_attention(q, k, v, start, end, d**-0.5)  # [B, 1, h, d]
+    for row in range(b):
+        cols = slice(int(start[row]), int(end))
+        keys = k[row, :, cols].repeat_interleave(r, dim=0)  # [h, s, d]
+        values = v[row, :, cols].repeat_interleave(r, dim=0)
+        expected = torch.nn.functional.scaled_dot_product_attention(q[row], keys, values)  # [h, 1, d]
+        torch.testing.assert_close(out[row, 0], expected[:, 0], atol=1e-5, rtol=1e-5)
+
+
 def test_every_token_a_stop_token_gives_one_token_responses(engine, prompts):
     vocab = engine.model.config.vocab_size
     out = sample(engine, prompts, stop_token_ids=list(range(vocab)))
@@ -261,7 +317,7 @@ def test_missing_checkpoint_is_rejected(tmp_path):
 def test_the_inverse_cdf_gives_each_token_exactly_its_share_of_evenly_spread_uniforms(top_p):
     """Closed form: with uniforms (k + 0.5) / N, token i is drawn N * p_i times (within one) where
     p is the softmax, renormalised inside the nucleus for top-p; a token without mass never is."""
-    from tasks.engines.embedded import _sample
+    from tasks.engines.sampling import draw as _sample
 
     logits = torch.tensor([0.3, -1.0, 2.0, float("-inf"), 0.7, 1.5, -0.2, 1.1], dtype=torch.float64)
     draws = 20_000

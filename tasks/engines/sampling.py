@@ -1,0 +1,104 @@
+"""One decode step's draw and what the embedded engine records of it.
+
+Both decode loops of the embedded engine use these: the eager loop (`tasks.engines.embedded`, the
+CPU and small GPU batches), whose step is a Python integer, and the captured loop
+(`tasks.engines.graph_decode`), whose step is a device tensor [1] advanced inside the graph. The
+indexing below reads the same with either.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["DecodeOutputs", "draw", "sample_step"]
+
+
+@dataclass(frozen=True)
+class DecodeOutputs:
+    """A batch's decode outputs, written in place step by step (row = the batch row, column = step).
+
+    Allocated once per batch: small per-step tensors kept alive between each step's large
+    temporaries fragment the heap (on the CPU a 512 x 256 call then held up to ~2 MB more per decode
+    step, varying run to run), and a captured step needs fixed addresses.
+    """
+
+    tokens: torch.Tensor  # [B, S] long
+    sampled: torch.Tensor  # [B, S] float32: the log-prob of the sampled token
+    topk_ids: torch.Tensor  # [B, S, K] int32
+    topk_logprobs: torch.Tensor  # [B, S, K] float32
+    num_tokens: torch.Tensor  # [B] long; a row's active steps form a prefix
+
+    @classmethod
+    def allocate(cls, batch: int, steps: int, top_k: int, device: torch.device) -> DecodeOutputs:
+        return cls(
+            tokens=torch.zeros((batch, steps), dtype=torch.long, device=device),
+            sampled=torch.zeros((batch, steps), dtype=torch.float32, device=device),
+            topk_ids=torch.zeros((batch, steps, top_k), dtype=torch.int32, device=device),
+            topk_logprobs=torch.zeros((batch, steps, top_k), dtype=torch.float32, device=device),
+            num_tokens=torch.zeros(batch, dtype=torch.long, device=device),
+        )
+
+
+def sample_step(
+    logits: torch.Tensor,
+    *,
+    rows: torch.Tensor,
+    step: int | torch.Tensor,
+    finished: torch.Tensor,
+    uniforms: torch.Tensor | None,
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    stop_ids: torch.Tensor,
+    out: DecodeOutputs,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw decoding row i's token from `logits` [b, V] (float32) and record it in batch row `rows[i]`
+    at `step` (an int, or a device tensor [1]). Returns (token [b], finished [b] after this token).
+
+    `uniforms` [B, S] holds each batch row's draws (None: greedy). Rows already finished still draw
+    and write (their columns past the stop are never read) but no longer count tokens.
+    """
+    logprobs = torch.log_softmax(logits, dim=-1)  # [b, V]
+    if uniforms is None:
+        token = logprobs.argmax(dim=-1)
+    else:
+        # x / 1.0 is x: the common temperature skips a pass over [b, V]
+        scaled = logits if temperature == 1.0 else logits / temperature
+        u = uniforms[rows, step]  # [b]
+        token = draw(scaled, top_p=top_p, u=u)
+    topk_lp, topk_ids = logprobs.topk(top_k, dim=-1)  # [b, K]
+    out.tokens[rows, step] = token
+    out.sampled[rows, step] = logprobs.gather(-1, token[:, None])[:, 0]
+    out.topk_ids[rows, step] = topk_ids.to(torch.int32)
+    out.topk_logprobs[rows, step] = topk_lp
+    out.num_tokens[rows] += ~finished
+    return token, finished | torch.isin(token, stop_ids)
+
+
+def draw(scaled_logits: torch.Tensor, *, top_p: float, u: torch.Tensor) -> torch.Tensor:
+    """Draw one id per row by inverting the (top-p truncated) CDF at the given uniforms.
+
+    scaled_logits: [B, V] (already divided by the temperature); u: [B] in [0, 1). Returns [B] ids.
+    Without top-p the CDF is taken in vocabulary order (no sort: sorting the vocabulary was half of
+    a decode step on the CPU); with top-p it is taken in descending probability, which the nucleus
+    needs. Either way the draw is exact and a function of the logits and `u` alone.
+    """
+    probs = torch.softmax(scaled_logits, dim=-1)  # [B, V]
+    if top_p >= 1.0:
+        cdf = probs.cumsum(dim=-1)  # [B, V], non-decreasing
+        target = u.to(cdf.dtype)[:, None] * cdf[:, -1:]
+        # the first id whose CDF reaches the target; it has mass, since the CDF rises there
+        return torch.searchsorted(cdf, target).clamp(max=probs.shape[-1] - 1)[:, 0]
+    sorted_probs, sorted_ids = probs.sort(dim=-1, descending=True)
+    # keep the smallest prefix whose mass reaches top_p (the most likely token always stays)
+    keep = (sorted_probs.cumsum(dim=-1) - sorted_probs) < top_p
+    sorted_probs = sorted_probs * keep
+    cdf = sorted_probs.cumsum(dim=-1)  # [B, V]
+    target = u.to(cdf.dtype)[:, None] * cdf[:, -1:]
+    choice = (cdf < target).sum(dim=-1)
+    # round-off can push `target` past the last kept entry; clamp to the last token with mass
+    last_kept = (sorted_probs > 0).sum(dim=-1) - 1
+    choice = torch.minimum(choice, last_kept)
+    return sorted_ids.gather(-1, choice[:, None])[:, 0]
