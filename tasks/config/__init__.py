@@ -7,7 +7,8 @@ A config is loaded from YAML plus dotted overrides::
 
     cfg = load_config("configs/demo.yaml", ["loss.alpha=0.5", "rollout.group_size=4"])
 
-Errors name the field (with file:line for a value from the YAML file) and say what to change.
+Errors name the field (with file:line for a value from the YAML file) and say what to change; a
+key given twice in one mapping of the file is refused with both lines (YAML would keep the last).
 Every float must be finite. Credential-looking keys (however spelled) and URLs with a password or
 a credential in their query are refused while loading, before the config is validated, printed or
 handed to anything, and the error names the key, never the value. Storage options are an

@@ -107,11 +107,25 @@ def refuse_credentials(tree: Any, *, places: dict[str, str], key: str = "") -> N
 
 
 def _key_lines(node: yaml.Node, path: str, prefix: str, out: dict[str, str]) -> None:
+    """Record the line of every key under `node`; ConfigError for a key given twice in one mapping
+    (YAML would keep the last one without a word)."""
     if isinstance(node, yaml.MappingNode):
+        seen: dict[Any, int] = {}
         for key_node, value_node in node.value:
             dotted = f"{prefix}.{key_node.value}" if prefix else str(key_node.value)
-            out[dotted] = f"{path}:{key_node.start_mark.line + 1}"
+            line = key_node.start_mark.line + 1
+            if isinstance(key_node, yaml.ScalarNode):
+                if key_node.value in seen:
+                    raise ConfigError(
+                        f"{path}:{line}: {dotted} is given twice (lines {seen[key_node.value]} and {line}); "
+                        "keep one of them"
+                    )
+                seen[key_node.value] = line
+            out[dotted] = f"{path}:{line}"
             _key_lines(value_node, path, dotted, out)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            _key_lines(item, path, f"{prefix}[{i}]", out)
 
 
 def read_yaml(path: Path) -> tuple[dict[str, Any], dict[str, str]]:
