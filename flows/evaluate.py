@@ -13,10 +13,11 @@ def sdpo_eval(config_path: str, overrides: list[str] | None = None, iteration: i
     from storage.layout import RunLayout
     from storage.manifest import read_latest
     from storage.urls import register_options
-    from tasks.config import load_config
+    from tasks.config import load_config, refuse_flow_overrides
 
     cfg = load_config(config_path, overrides or [])
-    register_options(cfg.storage.root, cfg.storage.storage_options)
+    refuse_flow_overrides(overrides or [])  # started from a deployment, the CLI's check did not run
+    register_options(cfg.storage.root, cfg.storage.storage_options.as_fsspec())
     layout = RunLayout(cfg.storage.root, cfg.name)
     n = (read_latest(layout) or 0) if iteration < 0 else iteration
     return stages.evaluate(cfg.storage.root, cfg.name, n)

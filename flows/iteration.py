@@ -211,13 +211,14 @@ def sdpo_advance(
     """
     from storage.errors import LockHeldError
     from storage.lock import RunLock, read_lock_holder
-    from tasks.config import load_config
+    from tasks.config import load_config, refuse_flow_overrides
     from tasks.preflight import preflight
     from tasks.runtime import run_layout
 
     quiet_libraries()
     keep_freed_heap()  # a worker's flow run does not start in the CLI's main()
     cfg = load_config(config_path, overrides or [])
+    refuse_flow_overrides(overrides or [])  # started from a deployment, the CLI's check did not run
     preflight(cfg)  # before the run lock: a run that cannot start leaves no run folder
     layout = run_layout(cfg)
     lease = cfg.storage.lock_lease_seconds

@@ -50,7 +50,7 @@ def sdpo_run(
     """
     from storage.lock import RunLock
     from storage.manifest import read_latest
-    from tasks.config import load_config
+    from tasks.config import load_config, refuse_flow_overrides
     from tasks.preflight import preflight
     from tasks.runtime import run_layout, start_run
     from tasks.tracking.experiment import open_tracker
@@ -59,6 +59,7 @@ def sdpo_run(
     quiet_libraries()
     keep_freed_heap()  # a worker's flow run does not start in the CLI's main()
     cfg = load_config(config_path, overrides or [])
+    refuse_flow_overrides(overrides or [])  # started from a deployment, the CLI's check did not run
     preflight(cfg)  # before the run lock: a run that cannot start leaves no run folder
     layout = run_layout(cfg)
     name_flow_run(f"{cfg.name}/run-to-{cfg.iterations:04d}")

@@ -8,17 +8,16 @@ runs jobs (a process, a Kubernetes pod, ...), and the stage reads and writes the
 
 from __future__ import annotations
 
-from typing import Any
-
 from prefect import flow
 
 
 @flow(name="sdpo-stage", log_prints=False)
-def sdpo_stage(stage: str, root: str, run: str, iteration: int, storage_options: dict[str, Any] | None = None) -> None:
-    """Run stage `stage` of iteration `iteration` of run `run` under `root` in this flow run's process."""
-    from storage.urls import register_options
-    from tasks.launch import run_stage
+def sdpo_stage(stage: str, root: str, run: str, iteration: int) -> None:
+    """Run stage `stage` of iteration `iteration` of run `run` under `root` in this flow run's process.
 
-    if storage_options:
-        register_options(root, storage_options)
+    The store's options come from the environment of the pool's jobs (`SDPO_STORAGE_OPTIONS`, set in
+    the work pool's or deployment's job variables), never from the flow run's parameters."""
+    from tasks.launch import register_stage_options, run_stage
+
+    register_stage_options(root)
     run_stage(stage, root, run, iteration)

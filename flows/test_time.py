@@ -80,7 +80,7 @@ def sdpo_test_time(
         The discovery record: questions, each attack's first success, k and both discovery@k curves.
     """
     from storage.lock import RunLock
-    from tasks.config import load_config
+    from tasks.config import load_config, refuse_flow_overrides
     from tasks.preflight import preflight
     from tasks.runtime import run_layout, start_run
     from tasks.test_time import check_attacks, pick_questions, read_baseline, run_discovery, write_discovery_plot
@@ -89,6 +89,7 @@ def sdpo_test_time(
     quiet_libraries()
     keep_freed_heap()  # a worker's flow run does not start in the CLI's main()
     cfg = load_config(config_path, overrides or [])
+    refuse_flow_overrides(overrides or [])  # started from a deployment, the CLI's check did not run
     preflight(cfg)
     check_attacks(cfg)
     layout = run_layout(cfg)

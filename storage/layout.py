@@ -241,12 +241,17 @@ def check_checkpoint_kind(kind: str) -> None:
 
 # -- run.json and config changes ------------------------------------------------------------
 def _check_plain(value: Any, key: str) -> None:
-    """Config must be plain JSON data; credentials must not be in it."""
+    """Config must be plain JSON data; credentials and storage options must not be in it."""
     if isinstance(value, Mapping):
         for k, v in value.items():
             if not isinstance(k, str):
                 raise TypeError(f"config key {k!r} under {key or '<root>'} is not a string")
             dotted = f"{key}.{k}" if key else k
+            if k == "storage_options" and v:  # whatever their names: they may hold credentials
+                raise ValueError(
+                    f"config key {dotted!r}: storage options are never written to run.json; give them to "
+                    "RunLayout in-process, credentials through the environment or a named profile"
+                )
             leaf = k.lower()
             in_options = "storage_options" in key or "client_kwargs" in key
             credential = leaf in _CREDENTIAL_KEYS or (in_options and leaf in _CREDENTIAL_KEYS_IN_OPTIONS)

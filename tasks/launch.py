@@ -31,7 +31,7 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 STAGES = ("prepare-base", "rollout", "teacher", "train", "commit", "eval")
-OPTIONS_ENV = "SDPO_STORAGE_OPTIONS"  # the store's fsspec options (no credentials: the config refuses them)
+OPTIONS_ENV = "SDPO_STORAGE_OPTIONS"  # the store's fsspec options, JSON (an allow-list without credentials)
 _TAIL = 6000
 # a stage's flow run that no worker of its pool has taken after this long is named in a warning
 UNCLAIMED_WARNING_S = 120.0
@@ -155,7 +155,7 @@ def launch_stage(
         run_stage(stage, root, run, iteration)
         return
     if spec["launcher"] == "work-pool":
-        _run_on_work_pool(stage, root, run, iteration, spec, storage_options=storage_options)
+        _run_on_work_pool(stage, root, run, iteration, spec)
         return
     from tasks.lifetime import child_environment
 
@@ -195,8 +195,6 @@ def _run_on_work_pool(
     run: str,
     iteration: int,
     spec: Mapping[str, Any],
-    *,
-    storage_options: Mapping[str, Any] | None,
 ) -> None:
     """The stage as a flow run of `spec['deployment']` (flows/stage.py), waited for; its failure is
     ours. A flow run of the same stage that an earlier launcher left going (Scheduled, Pending or
@@ -211,13 +209,9 @@ def _run_on_work_pool(
 
     from tasks.lifetime import cancel_flow_run, guard_flow_run
 
-    parameters = {
-        "stage": stage,
-        "root": root,
-        "run": run,
-        "iteration": iteration,
-        "storage_options": dict(storage_options or {}),
-    }
+    # Prefect stores a flow run's parameters: paths and names only; the pool's jobs take the store's
+    # options from their own environment (SDPO_STORAGE_OPTIONS)
+    parameters = {"stage": stage, "root": root, "run": run, "iteration": iteration}
     name = f"{run}/iter-{iteration:04d}/{stage}"
     with get_client(sync_client=True) as client:
         # one that a launcher which died without cancelling it (its machine lost with its guard) left going
@@ -301,9 +295,11 @@ def _unfinished_flow_run(client: Any, deployment: str, name: str, parameters: Ma
 
 
 def register_stage_options(root: str) -> None:
-    """In a stage process: register the store options the launcher passed (`SDPO_STORAGE_OPTIONS`)."""
+    """In a stage process: register the store options the launcher passed (`SDPO_STORAGE_OPTIONS`),
+    checked against the config's allow-list (credentials come from the environment or a profile)."""
     from storage.urls import register_options
+    from tasks.config import parse_storage_options
 
     raw = os.environ.get(OPTIONS_ENV)
     if raw:
-        register_options(root, json.loads(raw))
+        register_options(root, parse_storage_options(raw, source=OPTIONS_ENV))

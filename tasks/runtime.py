@@ -14,7 +14,7 @@ from typing import Any
 
 from storage.cache import download_checkpoint
 from storage.layout import RunLayout, read_run_config
-from tasks.config import RunConfig, build_config
+from tasks.config import RunConfig, build_config, stored_tree
 
 logger = logging.getLogger(__name__)
 
@@ -33,10 +33,10 @@ def open_run(root: str, run: str) -> Run:
     """Open an existing run: its layout and the config frozen in run.json.
 
     Storage options come from those registered for `root` in this process
-    (`storage.urls.register_options`) or from the standard environment.
+    (`storage.urls.register_options`) or from the standard environment; never from run.json.
     """
     layout = RunLayout(root, run)
-    cfg = build_config(read_run_config(layout))
+    cfg = build_config(stored_tree(read_run_config(layout)))
     return Run(layout=layout, cfg=cfg)
 
 
@@ -44,7 +44,7 @@ def run_layout(cfg: RunConfig) -> RunLayout:
     """The layout of the run `cfg` describes, its storage options registered for this process."""
     from storage.urls import register_options
 
-    register_options(cfg.storage.root, cfg.storage.storage_options)
+    register_options(cfg.storage.root, cfg.storage.storage_options.as_fsspec())
     return RunLayout(cfg.storage.root, cfg.name)
 
 
@@ -70,7 +70,7 @@ def as_read_now(stored: Mapping[str, Any]) -> Mapping[str, Any]:
     from tasks.config import ConfigError, to_dict
 
     try:
-        return to_dict(build_config(dict(stored)))
+        return to_dict(build_config(stored_tree(dict(stored))))
     except ConfigError:
         return stored
 

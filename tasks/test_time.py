@@ -130,6 +130,7 @@ def attack_config(cfg: Any, layout: Any, prompt_id: str, seed: int) -> dict[str,
 
     tree = to_dict(cfg)
     tree.pop("test_time")
+    tree["storage"]["storage_options"] = cfg.storage.storage_options.as_fsspec()  # the same store
     tree["name"] = attack_name(cfg.name, prompt_id, seed)
     tree["seed"] = seed
     tree["iterations"] = math.ceil(cfg.test_time.max_attempts / cfg.rollout.group_size)

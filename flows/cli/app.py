@@ -121,12 +121,14 @@ def fail(message: str | None) -> None:
 
 def load_checked(config: Path, overrides: list[str] | None) -> Any:
     """The validated config of a run to start, or exit 2 with the fields to fix: everything is
-    checked (data, storage root, tokenizer limits) before Prefect, MLflow or a run folder sees it."""
-    from tasks.config import ConfigError, load_config
+    checked (data, storage root, tokenizer limits) before Prefect, MLflow or a run folder sees it.
+    The overrides become the flow run's parameters, so storage options are refused among them."""
+    from tasks.config import ConfigError, load_config, refuse_flow_overrides
     from tasks.preflight import preflight
 
     try:
         cfg = load_config(config, overrides or [])
+        refuse_flow_overrides(overrides or [])
         preflight(cfg)
     except ConfigError as err:
         fail(str(err))

@@ -55,7 +55,7 @@ def fork(
     from storage.fork import fork_run
     from storage.layout import RunLayout, read_run
     from storage.lock import RunLock
-    from tasks.config import ConfigError, apply_overrides, build_config, to_dict
+    from tasks.config import ConfigError, apply_overrides, build_config, stored_tree, to_dict
 
     parent = RunLayout(root, run_name)
     if not parent.store.exists(parent.run_json):
@@ -63,7 +63,7 @@ def fork(
     out = config_out or Path(f"{name}.yaml")
     if out.exists():
         fail(f"{out} exists; pass --config-out to write the fork's config elsewhere")
-    tree = read_run(parent)["config"]
+    tree = stored_tree(read_run(parent)["config"])
     tree["name"] = name
     try:
         cfg = build_config(apply_overrides(tree, list(overrides or [])))

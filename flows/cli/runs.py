@@ -130,11 +130,12 @@ def evaluate(
     """Evaluate a run's checkpoint on the held-out split: greedy accuracy, avg@n and pass@k of
     eval.sampled_n samples per prompt, response lengths, per data source when the split mixes them."""
     from flows.evaluate import sdpo_eval
-    from tasks.config import ConfigError, load_config
+    from tasks.config import ConfigError, load_config, refuse_flow_overrides
 
     setup_logging(False)
     try:
         cfg = load_config(config, overrides or [])
+        refuse_flow_overrides(overrides or [])  # they become the flow run's parameters
     except ConfigError as err:
         fail(str(err))
     with prefect_local_mode(cfg.name):

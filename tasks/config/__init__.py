@@ -7,10 +7,12 @@ A config is loaded from YAML plus dotted overrides::
 
     cfg = load_config("configs/demo.yaml", ["loss.alpha=0.5", "rollout.group_size=4"])
 
-Errors name the field (with file:line for a value from the YAML file) and say what to change.
-Every float must be finite. Credential-looking keys and URLs with a password are refused while
-loading, before the config is validated, printed or handed to anything, and the error names the
-key, never the value.
+Errors name the field (with file:line for a value from the YAML file) and say what to change; a
+key given twice in one mapping of the file is refused with both lines (YAML would keep the last).
+Every float must be finite. Credential-looking keys (however spelled) and URLs with a password or
+a credential in their query are refused while loading, before the config is validated, printed or
+handed to anything, and the error names the key, never the value. Storage options are an
+allow-list of those that are not secrets (`StorageOptions`), kept out of every record.
 
 The tree is split by what its values decide: `experiment` (everything that can change the result),
 `operations` (where a run lives, runs and what it keeps), `run` (the root `RunConfig`, loading,
@@ -39,6 +41,7 @@ from tasks.config.operations import (
     RetentionConfig,
     StageLaunch,
     StorageConfig,
+    StorageOptions,
     TrackingConfig,
 )
 from tasks.config.run import (
@@ -49,6 +52,9 @@ from tasks.config.run import (
     flatten,
     full_dict,
     load_config,
+    parse_storage_options,
+    refuse_flow_overrides,
+    stored_tree,
     to_dict,
 )
 from tasks.config.source import ConfigError
@@ -70,6 +76,7 @@ __all__ = [
     "SGLangConfig",
     "StageLaunch",
     "StorageConfig",
+    "StorageOptions",
     "TeacherConfig",
     "TestTimeConfig",
     "TrackingConfig",
@@ -81,5 +88,8 @@ __all__ = [
     "flatten",
     "full_dict",
     "load_config",
+    "parse_storage_options",
+    "refuse_flow_overrides",
+    "stored_tree",
     "to_dict",
 ]

@@ -3,11 +3,13 @@ tracking, and where each stage is launched. None of them changes what is trained
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from tasks.config.section import Section
+from tasks.config.source import CREDENTIALS_GO
 
 
 class KeepRuleConfig(Section):
@@ -30,10 +32,93 @@ class RetentionConfig(Section):
     weights: KeepRuleConfig = Field(KeepRuleConfig(), description="HF policy and teacher weights")
 
 
+class AllowListed(Section):
+    """A mapping of storage options: a name that is not a field is refused, whatever its value, with
+    where credentials go instead. Unset fields are left to s3fs, botocore and the environment."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _allowed_names_only(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name in data:
+                if name not in cls.model_fields:
+                    shown = repr(str(name)[:40])
+                    raise ValueError(
+                        f"{shown} is not an allowed storage option (allowed here: {', '.join(cls.model_fields)}); "
+                        + CREDENTIALS_GO
+                    )
+        return data
+
+
+class S3Retries(AllowListed):
+    """botocore's retries of one request."""
+
+    max_attempts: int | None = Field(None, ge=0, le=50)
+    mode: Literal["legacy", "standard", "adaptive"] | None = None
+
+
+class S3Addressing(AllowListed):
+    addressing_style: Literal["auto", "virtual", "path"] | None = Field(
+        None, description="path for most S3-compatible servers (MinIO, Ceph)"
+    )
+
+
+class S3Client(AllowListed):
+    """Arguments of the S3 client (s3fs `client_kwargs`)."""
+
+    region_name: str | None = Field(None, pattern=r"^[a-z0-9][a-z0-9-]{0,62}$", description="e.g. eu-west-1")
+
+
+class S3Config(AllowListed):
+    """botocore `Config` (s3fs `config_kwargs`): timeouts, connections, retries, addressing."""
+
+    connect_timeout: float | None = Field(None, gt=0)
+    read_timeout: float | None = Field(None, gt=0)
+    max_pool_connections: int | None = Field(None, ge=1)
+    retries: S3Retries | None = None
+    s3: S3Addressing | None = None
+
+
+_ENDPOINT = re.compile(r"^https?://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+)(:[0-9]{1,5})?/?$")
+
+
+class StorageOptions(AllowListed):
+    """The fsspec / s3fs options of the store: an allow-list of those that are not secrets. Credentials
+    come from the environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN) or a named
+    profile of the AWS config files (`profile`), never from here. None of these is written to run.json,
+    MLflow or a flow run's parameters: they say where the store is, not what the run computes."""
+
+    endpoint_url: str | None = Field(None, description="scheme://host[:port] of an S3-compatible server")
+    profile: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9_.+=@-]{0,127}$",
+        description="a named profile of ~/.aws/config and ~/.aws/credentials (AWS_CONFIG_FILE, "
+        "AWS_SHARED_CREDENTIALS_FILE): the credentials stay there",
+    )
+    anon: bool | None = Field(None, description="unsigned requests (public buckets)")
+    use_ssl: bool | None = None
+    requester_pays: bool | None = None
+    client_kwargs: S3Client | None = None
+    config_kwargs: S3Config | None = None
+
+    @field_validator("endpoint_url")
+    @classmethod
+    def _plain_endpoint(cls, url: str | None) -> str | None:
+        if url is not None and not _ENDPOINT.match(url):  # the value is never shown: it may hold a token
+            raise ValueError(
+                "endpoint_url must be http(s)://host[:port] with no user, path, query or fragment; " + CREDENTIALS_GO
+            )
+        return url
+
+    def as_fsspec(self) -> dict[str, Any]:
+        """The options as fsspec takes them: only those set."""
+        return self.model_dump(exclude_none=True)
+
+
 class StorageConfig(Section):
     root: str = Field("runs", description="run root: a local path, file://, s3:// or memory:// URL")
-    storage_options: dict[str, Any] = Field(
-        default_factory=dict, description="fsspec options (e.g. endpoint_url); secrets stay out of logs"
+    storage_options: StorageOptions = Field(
+        StorageOptions(), description="store options that are not secrets (StorageOptions); never recorded"
     )
     verify_sha256: bool = True
     cache_dir: str = Field(".sdpo/cache", description="local checkpoint cache, keyed by digest")
@@ -51,6 +136,18 @@ class StorageConfig(Section):
         "wrote as hard links, not copies: one copy of the bytes on that disk, shared with the cache; false "
         "keeps two copies",
     )
+
+    @field_validator("root")
+    @classmethod
+    def _root_without_credentials(cls, root: str) -> str:
+        if "://" in root:
+            authority = root.split("://", 1)[1].split("/", 1)[0]
+            if "@" in authority or "?" in root or "#" in root:  # the value is never shown: it may hold a token
+                raise ValueError(
+                    "a root URL names the bucket and prefix only (s3://bucket/prefix): no user, query or "
+                    "fragment; " + CREDENTIALS_GO
+                )
+        return root
 
 
 class TrackingConfig(Section):

@@ -24,9 +24,9 @@ from tasks.config.experiment import (
     TrainConfig,
     VerifierConfig,
 )
-from tasks.config.operations import LaunchConfig, StorageConfig, TrackingConfig
+from tasks.config.operations import LaunchConfig, StorageConfig, StorageOptions, TrackingConfig
 from tasks.config.section import Section
-from tasks.config.source import ConfigError, read_yaml, refuse_credentials, where
+from tasks.config.source import CREDENTIALS_GO, ConfigError, read_yaml, refuse_credentials, where
 
 
 class RunConfig(Section):
@@ -124,16 +124,22 @@ def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return out
 
 
-def _format_validation_error(err: ValidationError, lines_of: dict[str, str]) -> str:
+def _error_lines(err: ValidationError, lines_of: dict[str, str], *, prefix: str = "") -> list[str]:
     lines = []
     for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"]) or "<root>"
+        loc = ".".join([prefix, *map(str, e["loc"])] if prefix else map(str, e["loc"])) or "<root>"
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
             msg = "unknown key; remove it or check its spelling"
+        if loc.startswith("storage.storage_options") and CREDENTIALS_GO not in msg:
+            msg += "; " + CREDENTIALS_GO  # a wrong-shaped option may be a credential put there
         place = where(lines_of, loc)
         lines.append(f"  {place + ': ' if place else ''}{loc}: {msg}")
-    return "invalid run config:\n" + "\n".join(lines)
+    return lines
+
+
+def _format_validation_error(err: ValidationError, lines_of: dict[str, str]) -> str:
+    return "invalid run config:\n" + "\n".join(_error_lines(err, lines_of))
 
 
 def build_config(tree: dict[str, Any], *, lines_of: dict[str, str] | None = None) -> RunConfig:
@@ -162,11 +168,49 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     return build_config(apply_overrides(tree, overrides or []), lines_of=lines_of)
 
 
+def refuse_flow_overrides(overrides: list[str]) -> None:
+    """ConfigError for an override that sets storage options: a command's overrides become the
+    parameters of its flow run, which Prefect stores, and storage options are never stored."""
+    for i, item in enumerate(overrides, start=1):
+        key = item.split("=", 1)[0].strip()
+        storage = apply_overrides({}, [item]).get("storage")
+        if isinstance(storage, dict) and "storage_options" in storage:
+            raise ConfigError(
+                f"override {i} ({key}): storage options cannot be overrides of a run, whose overrides are "
+                "stored as its flow run's parameters; set them under storage.storage_options in the config file"
+            )
+
+
+def parse_storage_options(text: str, *, source: str) -> dict[str, Any]:
+    """Storage options given as JSON outside a config (`source`, e.g. an environment variable), checked
+    against the same allow-list; the options as fsspec takes them. The value is never shown."""
+    try:
+        tree = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{source}: not JSON ({err.msg} at character {err.pos})") from None
+    try:
+        return StorageOptions.model_validate(tree).as_fsspec()
+    except ValidationError as err:
+        lines = _error_lines(err, {}, prefix="storage.storage_options")
+        raise ConfigError(f"{source}: invalid storage options:\n" + "\n".join(lines)) from None
+
+
 def to_dict(cfg: RunConfig) -> dict[str, Any]:
     """The fully resolved config of the experiment as plain JSON-able data (what run.json freezes).
 
-    The `launch` section (where stages run) is left out: placement never changes results."""
-    return cfg.model_dump(mode="json", exclude={"launch"})
+    Left out: the `launch` section (where stages run: placement never changes results) and the
+    storage options (where the store is; never recorded anywhere, see `StorageOptions`)."""
+    return cfg.model_dump(mode="json", exclude={"launch": True, "storage": {"storage_options"}})
+
+
+def stored_tree(config: dict[str, Any]) -> dict[str, Any]:
+    """A config as a run stored it, ready for `build_config`: storage options, which a run created
+    before they left run.json may hold, are dropped (they come from the config of the process)."""
+    tree = json.loads(json.dumps(config))
+    storage = tree.get("storage")
+    if isinstance(storage, dict):
+        storage.pop("storage_options", None)
+    return tree
 
 
 def full_dict(cfg: RunConfig) -> dict[str, Any]:

@@ -8,10 +8,18 @@ import inspect
 import re
 from pathlib import Path
 from typing import Any
+from urllib.parse import parse_qsl, urlsplit
 
 import yaml
 
-__all__ = ["ConfigError", "read_yaml", "refuse_credentials", "verifier_parameters", "where"]
+__all__ = ["CREDENTIALS_GO", "ConfigError", "read_yaml", "refuse_credentials", "verifier_parameters", "where"]
+
+# What every error about a credential in a config says to do instead.
+CREDENTIALS_GO = (
+    "credentials never go in the run config or an override: put them in the environment "
+    "(AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, or the service's own variables) "
+    "or in a named profile of the AWS config files (storage.storage_options.profile)"
+)
 
 
 class ConfigError(ValueError):
@@ -19,22 +27,59 @@ class ConfigError(ValueError):
 
 
 def where(lines_of: dict[str, str], dotted: str) -> str:
-    """file:line of `dotted` (or of the closest enclosing key) when it came from the YAML file."""
+    """file:line of `dotted` (or of the closest enclosing key) when it came from the YAML file or an
+    override; a key inside a list (`a.b[0].c`) falls back to the list's own key."""
     keys = dotted.split(".")
     for n in range(len(keys), 0, -1):
-        found = lines_of.get(".".join(keys[:n]))
+        prefix = ".".join(keys[:n])
+        found = lines_of.get(prefix) or lines_of.get(re.sub(r"\[\d+\]", "", prefix))
         if found is not None:
             return found
     return ""
 
 
-# Keys whose string values are credentials wherever they appear; inside storage options and
-# client kwargs also the short fsspec names.
+# Names (as lower-case words joined by "_", however they were spelled) whose text values are
+# credentials wherever they appear; inside storage options and client kwargs also the short fsspec
+# names. A first filter over the whole tree, free-form sections included; storage options are
+# checked against an allow-list besides (tasks/config/operations.py).
 _CREDENTIAL_KEY = re.compile(
-    r"(^|_)(secret|secrets|password|passwd|token|api_?key|access_?key(_id)?|private_?key|credentials?)$", re.IGNORECASE
+    r"(^|_)(secrets?|password|passwd|passphrase|token|api_?key|access_?key(_id)?|private_?key|customer_?key"
+    r"|credentials?|signature|sig|authorization)$"
 )
 _CREDENTIAL_KEY_IN_OPTIONS = frozenset({"key", "secret", "token", "password"})
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 _URL_WITH_PASSWORD = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://[^/@\s:]*:[^/@\s]+@")
+
+
+def words(name: str) -> str:
+    """`name` as lower-case words joined by "_": secretAccessKey, secret-access-key, SSECustomerKey
+    and SECRET_ACCESS_KEY all read as one spelling."""
+    split = re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", name)
+    split = re.sub(r"([A-Z]+)([A-Z][a-z])", r"\1_\2", split)
+    return re.sub(r"[^a-z0-9]+", "_", split.lower()).strip("_")
+
+
+def _holds_text(value: Any) -> bool:
+    if isinstance(value, str):
+        return bool(value)
+    if isinstance(value, dict):
+        return any(_holds_text(v) for v in value.values())
+    if isinstance(value, list):
+        return any(_holds_text(v) for v in value)
+    return False
+
+
+def _url_problem(value: str) -> str | None:
+    """Why a URL value would carry a credential (a password, or one in its query or fragment), or None."""
+    if not _URL.match(value):
+        return None
+    if _URL_WITH_PASSWORD.match(value):
+        return "is a URL with a password"
+    parts = urlsplit(value)
+    for part in (parts.query, parts.fragment):
+        if any(_CREDENTIAL_KEY.search(words(name)) for name, _ in parse_qsl(part, keep_blank_values=True)):
+            return "is a URL whose query carries a credential"
+    return None
 
 
 def refuse_credentials(tree: Any, *, places: dict[str, str], key: str = "") -> None:
@@ -44,27 +89,43 @@ def refuse_credentials(tree: Any, *, places: dict[str, str], key: str = "") -> N
         for k, v in tree.items():
             dotted = f"{key}.{k}" if key else str(k)
             in_options = "storage_options" in key or "client_kwargs" in key
-            named = _CREDENTIAL_KEY.search(str(k)) or (in_options and str(k).lower() in _CREDENTIAL_KEY_IN_OPTIONS)
-            url = isinstance(v, str) and _URL_WITH_PASSWORD.match(v)
-            if isinstance(v, str) and v and (named or url):
+            name = words(str(k))
+            named = _CREDENTIAL_KEY.search(name) or (in_options and name in _CREDENTIAL_KEY_IN_OPTIONS)
+            what = _url_problem(v) if isinstance(v, str) else None
+            if named and _holds_text(v):
+                what = "looks like a credential"
+            if what is not None:
                 source = where(places, dotted) or "the config"
-                what = "is a URL with a password" if url else "looks like a credential"
-                raise ConfigError(
-                    f"{source}: {dotted} {what}; pass credentials through the environment (AWS_ACCESS_KEY_ID, "
-                    "AWS_SECRET_ACCESS_KEY, a credentials file), never in the run config or an override"
-                )
+                raise ConfigError(f"{source}: {dotted} {what}; {CREDENTIALS_GO}")
             refuse_credentials(v, places=places, key=dotted)
     elif isinstance(tree, list):
         for i, v in enumerate(tree):
+            if isinstance(v, str) and (what := _url_problem(v)) is not None:
+                source = where(places, key) or "the config"
+                raise ConfigError(f"{source}: {key}[{i}] {what}; {CREDENTIALS_GO}")
             refuse_credentials(v, places=places, key=f"{key}[{i}]")
 
 
 def _key_lines(node: yaml.Node, path: str, prefix: str, out: dict[str, str]) -> None:
+    """Record the line of every key under `node`; ConfigError for a key given twice in one mapping
+    (YAML would keep the last one without a word)."""
     if isinstance(node, yaml.MappingNode):
+        seen: dict[Any, int] = {}
         for key_node, value_node in node.value:
             dotted = f"{prefix}.{key_node.value}" if prefix else str(key_node.value)
-            out[dotted] = f"{path}:{key_node.start_mark.line + 1}"
+            line = key_node.start_mark.line + 1
+            if isinstance(key_node, yaml.ScalarNode):
+                if key_node.value in seen:
+                    raise ConfigError(
+                        f"{path}:{line}: {dotted} is given twice (lines {seen[key_node.value]} and {line}); "
+                        "keep one of them"
+                    )
+                seen[key_node.value] = line
+            out[dotted] = f"{path}:{line}"
             _key_lines(value_node, path, dotted, out)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            _key_lines(item, path, f"{prefix}[{i}]", out)
 
 
 def read_yaml(path: Path) -> tuple[dict[str, Any], dict[str, str]]:

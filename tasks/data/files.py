@@ -45,14 +45,32 @@ def file_name(url: str) -> str:
     return PurePosixPath(url.split("://", 1)[-1]).name
 
 
+def _not_utf8(byte: int, column: int) -> str:
+    return f"not UTF-8 text (byte 0x{byte:02x} at byte {column} of the line); save the file as UTF-8"
+
+
 def json_lines(data: bytes, name: str) -> Iterator[tuple[str, Any]]:
-    for number, line in enumerate(data.decode("utf-8").splitlines(), start=1):
+    """(file:line, record) per line; a line that is not UTF-8 or not JSON is a Malformed record.
+    Lines end at \\n, \\r\\n or \\r only: other line separators may sit inside a JSON string."""
+    for number, raw in enumerate(data.splitlines(), start=1):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as err:
+            yield f"{name}:{number}", Malformed(_not_utf8(raw[err.start], err.start + 1))
+            continue
         if not line.strip():
             continue
         try:
             yield f"{name}:{number}", json.loads(line)
         except json.JSONDecodeError as exc:
             yield f"{name}:{number}", Malformed(f"not valid JSON ({exc.msg} at column {exc.colno})")
+
+
+def not_utf8_error(data: bytes, name: str, err: UnicodeDecodeError) -> InvalidRowError:
+    """The error for the undecodable byte of `err` in the file `name`, naming its line."""
+    line = data.count(b"\n", 0, err.start) + 1
+    column = err.start - data.rfind(b"\n", 0, err.start)
+    return InvalidRowError(f"{name}:{line}", _not_utf8(data[err.start], column))
 
 
 def arrow_rows(data: bytes) -> list[Row]:
@@ -88,6 +106,8 @@ def read_records(url: str, *, storage_options: Mapping[str, Any] | None = None) 
     elif stem.endswith(".json"):
         try:
             value = json.loads(data)
+        except UnicodeDecodeError as err:
+            raise not_utf8_error(data, name, err) from None
         except json.JSONDecodeError:
             yield from json_lines(data, name)
             return

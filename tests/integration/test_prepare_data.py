@@ -87,6 +87,21 @@ def test_a_malformed_row_names_the_file_and_line_and_writes_nothing(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("suffix", [".jsonl", ".json", ".jsonl.gz"])
+def test_a_byte_that_is_not_utf8_names_the_file_and_line(tmp_path, suffix):
+    rows = [json.dumps({"question": f"{k} + 2?", "answer": f"#### {k + 2}"}) for k in range(3)]
+    data = f"{rows[0]}\n{rows[1]}\n".encode() + b'{"question": "caf\xe9"}\n' + f"{rows[2]}\n".encode()
+    source = tmp_path / f"bad{suffix}"
+    source.write_bytes(gzip.compress(data) if suffix.endswith(".gz") else data)
+    with pytest.raises(InvalidRowError, match=rf"^bad{suffix}:3: not UTF-8 text \(byte 0xe9 at byte 18 of the line\)"):
+        read_prepared(str(source))
+    if suffix == ".jsonl":  # a line like any malformed one: skipped and counted on request
+        out = tmp_path / "out.jsonl"
+        stats = prepare("gsm8k", input=str(source), output=str(out), skip_invalid=True)
+        assert (stats["skipped"], stats["rows_written"]) == (1, 3)
+        assert stats["skipped_examples"][0].startswith("bad.jsonl:3: not UTF-8")
+
+
 def test_skip_invalid_counts_the_bad_rows(tmp_path):
     out = tmp_path / "out.jsonl"
     stats = prepare("sciknoweval", input=fixture("sciknoweval/malformed.jsonl"), output=str(out), skip_invalid=True)

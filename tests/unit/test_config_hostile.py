@@ -83,6 +83,23 @@ def test_non_utf8_config_names_the_file(tmp_path):
 
 
 @pytest.mark.parametrize(
+    ("text", "where", "key", "lines"),
+    [
+        ("name: x\nseed: 1\niterations: 2\nseed: 7\n", 4, "seed", (2, 4)),
+        ("name: x\nloss:\n  alpha: 0.5\n  type: sdpo\n  alpha: 1.0\n", 5, "loss.alpha", (3, 5)),
+        ("loss:\n  alpha: 0.5\noptimizer:\n  lr: 1.0e-3\nloss:\n  type: grpo\n", 5, "loss", (1, 5)),
+    ],
+)
+def test_a_key_given_twice_is_refused_with_both_lines(tmp_path, text, where, key, lines):
+    """YAML keeps the last of two equal keys without a word; a config that says two things is refused."""
+    path = write(tmp_path, text)
+    with pytest.raises(
+        ConfigError, match=rf"^{path}:{where}: {key} is given twice \(lines {lines[0]} and {lines[1]}\)"
+    ):
+        load_config(path)
+
+
+@pytest.mark.parametrize(
     "override",
     [
         f"storage.storage_options.secret={SECRET}",

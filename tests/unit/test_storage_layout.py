@@ -155,7 +155,7 @@ def test_allowed_config_change_is_recorded_and_becomes_effective(root: str) -> N
 @pytest.mark.parametrize(
     "config, match",
     [
-        ({"storage": {"storage_options": {"secret": "abc"}}}, "storage.storage_options.secret"),
+        ({"storage": {"storage_options": {"secret": "abc"}}}, "storage.storage_options"),
         ({"aws_secret_access_key": "abc"}, "aws_secret_access_key"),
         ({"a": {"b": object()}}, "a.b"),
         ({"a": [1, {2: 3}]}, "a\\[1\\]"),
