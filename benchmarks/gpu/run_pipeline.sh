@@ -4,7 +4,8 @@
 # Wheels in .whl/ (docs/benchmarks.md lists them): megatron-core, transformers, pydantic, Prefect,
 # mlflow-skinny, TRL, datasets and what they need that the image lacks.
 # STEPS picks among "test test-dp2 test-tp2 pipe-0.6b trl-0.6b pipe-1.7b trl-1.7b pipe-1.7b-dp2
-# pipe-1.7b-tp2 mfu train-tests" (default: test pipe-0.6b trl-0.6b; train-tests: the training and
+# pipe-1.7b-tp2 mfu train-tests decode" (default: test pipe-0.6b trl-0.6b; decode: the captured-decode GPU
+# tests and benchmarks/gpu/decode_bench.py on both shapes, captured and eager; train-tests: the training and
 # scorer GPU tests, tests/gpu/test_gpu_train.py; test-dp2 / test-tp2: on two GPUs, the pipeline-launched
 # DP=2 / TP=2 test of tests/gpu/test_gpu_pipeline.py, each beside the one-GPU run it compares with).
 # pipe-1.7b-dp2: the 1.7B pipeline with its train stage on two GPUs under the pipeline's torchrun
@@ -72,11 +73,16 @@ done
 if has mfu; then
   timeout 200 python3 benchmarks/gpu/model_throughput.py --shapes 1.7b --fused true > "$OUT/model_1.7b.log" 2>&1
 fi
+if has decode; then
+  timeout 240 python3 -m pytest tests/gpu/test_gpu_decode.py -v -p no:cacheprovider -o addopts="" > "$OUT/gpu_decode_tests.log" 2>&1
+  grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/gpu_decode_tests.log" | tail -8
+  timeout 300 python3 -m benchmarks.gpu.decode_bench --shapes 0.6b 1.7b --loops static eager --repeat 1 > "$OUT/decode.log" 2>&1
+fi
 if has train-tests; then
   timeout 240 python3 -m pytest tests/gpu/test_gpu_train.py -v -p no:cacheprovider -o addopts="" > "$OUT/gpu_train_tests.log" 2>&1
   grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed" "$OUT/gpu_train_tests.log" | tail -8
 fi
-for f in "$OUT"/pipeline_*.log "$OUT"/trl_*.log "$OUT"/model_*.log; do
+for f in "$OUT"/pipeline_*.log "$OUT"/trl_*.log "$OUT"/model_*.log "$OUT"/decode.log; do
   [[ -f "$f" ]] || continue
   echo "== $f"; grep -E "^RESULT|Error|error:" "$f" | cut -c1-900 | tail -8
 done
