@@ -54,7 +54,8 @@ _ROLLOUT_INDEX = (
     "prompt_messages",
     "sampled_logprobs",
 )
-_TEACHER_INDEX = ("teacher_sampled_logprobs", "sample_mask", "teacher_source", "route", "teacher_entropy")
+_TEACHER_INDEX = ("teacher_sampled_logprobs", "sample_mask", "teacher_source", "route")
+_SRPO_INDEX = ("teacher_entropy",)  # for the entropy weights' norm, read for SRPO runs only
 
 
 class NotFoundError(LookupError):
@@ -124,8 +125,8 @@ def _per_row_mean(values: np.ndarray, lengths: np.ndarray) -> np.ndarray:
 
 def build_index(table: pa.Table, *, iteration: int, stage: str, srpo_beta: float | None) -> IterationIndex:
     """The index of one stage's rows (`read_index` output with the `_ROLLOUT_INDEX` columns and, for
-    a teacher stage, the `_TEACHER_INDEX` ones); `srpo_beta` is the run's SRPO beta (None for other
-    losses), for the entropy weights' norm."""
+    a teacher stage, the `_TEACHER_INDEX` ones, and `_SRPO_INDEX` with `srpo_beta`, the run's SRPO
+    beta: None for other losses), for the entropy weights' norm."""
     from storage.lookup import ROW_COLUMN, SHARD_COLUMN
 
     lengths = pc.list_value_length(table.column("sampled_logprobs")).to_numpy(zero_copy_only=False).astype(np.int64)
@@ -348,10 +349,12 @@ class RunData:
             if cached is not None and cached.stage == stage:
                 self._indexes.move_to_end(n)
                 return cached
-            columns = _ROLLOUT_INDEX + (_TEACHER_INDEX if stage == "teacher" else ())
-            table = read_index(self.layout, n, stage, columns=columns, verify=self.run.cfg.storage.verify_sha256)
             cfg = self.run.cfg
             beta = cfg.loss.srpo.beta if cfg.loss.type == "srpo" else None
+            columns: tuple[str, ...] = _ROLLOUT_INDEX
+            if stage == "teacher":
+                columns += _TEACHER_INDEX + (_SRPO_INDEX if beta is not None else ())
+            table = read_index(self.layout, n, stage, columns=columns, verify=cfg.storage.verify_sha256)
             index = build_index(table, iteration=n, stage=stage, srpo_beta=beta)
             self._indexes[n] = index
             while len(self._indexes) > _CACHED_ITERATIONS:
