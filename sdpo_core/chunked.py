@@ -24,6 +24,10 @@ reducer over a process group lives in `tasks.megatron.vocab_parallel`.
 
 `compile=True` runs each tile through `torch.compile`d functions, so a bf16 tile is read once
 into registers instead of being copied to float32 first.
+
+The teacher's next-token entropy over the full vocabulary (`chunked_token_entropy`, forward only)
+streams the same way: per row a running max m, s = sum exp(z - m) and u = sum exp(z - m) (z - m),
+so H = log s - u / s; shards combine after one max and one sum across the ranks.
 """
 
 from __future__ import annotations
@@ -33,7 +37,13 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-__all__ = ["VocabReducer", "chunked_token_logprobs", "reference_token_logprobs"]
+__all__ = [
+    "VocabReducer",
+    "chunked_token_entropy",
+    "chunked_token_logprobs",
+    "reference_token_entropy",
+    "reference_token_logprobs",
+]
 
 
 class VocabReducer(Protocol):
@@ -202,3 +212,83 @@ def reference_token_logprobs(logits: Tensor, rows: Tensor, ids: Tensor, *, vocab
     vocab_size = logits.shape[1] if vocab_size is None else vocab_size
     x = logits[rows, :vocab_size].to(_compute_dtype(logits.dtype))  # [N, V]
     return torch.log_softmax(x, dim=-1).gather(-1, ids.long())
+
+
+def _rescale(s: Tensor, u: Tensor, m: Tensor, top: Tensor) -> tuple[Tensor, Tensor]:
+    """(s, u) of rows whose running max is m, re-expressed relative to a max `top` >= m.
+
+    With d = m - top <= 0: s' = s e^d and u' = e^d (u + s d). Rows with no column yet (m = -inf,
+    s = u = 0) stay at 0.
+    """
+    seen = torch.isfinite(m)
+    d = torch.where(seen, m - top, torch.zeros_like(m))
+    scale = torch.where(seen, d.exp(), torch.zeros_like(m))
+    return s * scale, scale * (u + s * d)
+
+
+@torch.no_grad()
+def chunked_token_entropy(
+    logits: Tensor,
+    rows: Tensor,
+    *,
+    vocab_size: int | None = None,
+    vocab_start: int = 0,
+    chunk_tokens: int = 1024,
+    chunk_vocab: int | None = None,
+    reducer: VocabReducer | None = None,
+) -> Tensor:
+    """Entropy -sum_v p(v) log p(v) of softmax(logits[rows]) over the full vocabulary, in nats: [N].
+
+    Forward only. `logits`, `rows`, `vocab_size`, `vocab_start` and `reducer` are as in
+    `chunked_token_logprobs` (columns at or past `vocab_size` are padding and left out; with a
+    reducer every rank of the group calls with the same rows and all get the same result). The
+    result is float32 (float64 for float64 logits).
+    """
+    if logits.ndim != 2 or rows.ndim != 1:
+        raise ValueError(f"logits must be [M, V] and rows [N], got {tuple(logits.shape)} and {tuple(rows.shape)}")
+    if chunk_tokens < 1 or (chunk_vocab is not None and chunk_vocab < 1):
+        raise ValueError(f"chunk sizes must be >= 1, got chunk_tokens={chunk_tokens}, chunk_vocab={chunk_vocab}")
+    local = logits.shape[1]
+    if vocab_size is None:
+        if reducer is not None or vocab_start:
+            raise ValueError("a vocabulary shard needs vocab_size (the unpadded global vocabulary)")
+        vocab_size = local
+    valid = max(0, min(local, vocab_size - vocab_start))
+    if reducer is None and valid < 1:
+        raise ValueError(
+            f"no vocabulary column below vocab_size={vocab_size} in [{vocab_start}, {vocab_start + local})"
+        )
+    if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= logits.shape[0]):
+        raise ValueError(f"rows outside [0, {logits.shape[0]}): min {int(rows.min())}, max {int(rows.max())}")
+    dtype = _compute_dtype(logits.dtype)
+    n = rows.shape[0]
+    m = torch.full((n,), float("-inf"), dtype=dtype, device=logits.device)  # [N] running max
+    s = torch.zeros((n,), dtype=dtype, device=logits.device)  # [N] sum exp(z - m)
+    u = torch.zeros((n,), dtype=dtype, device=logits.device)  # [N] sum exp(z - m) (z - m)
+    rows = rows.long()
+    for t0, t1 in _spans(n, chunk_tokens):
+        for v0, v1 in _spans(valid, chunk_vocab or max(valid, 1)):
+            x = logits[:, v0:v1].index_select(0, rows[t0:t1]).to(dtype)  # [C, Vc]
+            tile_max = x.max(dim=-1).values  # [C]
+            top = torch.maximum(m[t0:t1], tile_max)
+            shifted = x - top[:, None]
+            e = shifted.exp()
+            s_old, u_old = _rescale(s[t0:t1], u[t0:t1], m[t0:t1], top)
+            s[t0:t1] = s_old + e.sum(dim=-1)
+            u[t0:t1] = u_old + (e * shifted).sum(dim=-1)
+            m[t0:t1] = top
+    if reducer is not None:
+        top = m.clone()
+        reducer.max_(top)
+        s, u = _rescale(s, u, m, top)
+        both = torch.stack([s, u])  # [2, N]
+        reducer.sum_(both)
+        s, u = both[0], both[1]
+    return s.log() - u / s
+
+
+def reference_token_entropy(logits: Tensor, rows: Tensor, *, vocab_size: int | None = None) -> Tensor:
+    """The unchunked definition (a full [N, V] softmax), for tests."""
+    vocab_size = logits.shape[1] if vocab_size is None else vocab_size
+    logprobs = torch.log_softmax(logits[rows, :vocab_size].to(_compute_dtype(logits.dtype)), dim=-1)  # [N, V]
+    return -(logprobs.exp() * logprobs).sum(dim=-1)

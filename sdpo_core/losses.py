@@ -1,9 +1,9 @@
-"""The policy loss the trainer applies: SDPO, GRPO, or their blend, with masks and reductions.
+"""The policy loss the trainer applies: SDPO, GRPO, their blend, or SRPO's routing between them.
 
 The trainer is algorithm-blind: it fills a `LossInputs` from the shards and its own forward pass and
 calls `policy_loss` with flat hyperparameters. Everything the algorithm decides upstream (rewards,
-advantages, the per-sample self-distillation mask, the teacher's log-probabilities) arrives as
-tensors.
+advantages, the per-sample self-distillation mask, SRPO's route, the questions' pass rates, the
+teacher's log-probabilities and entropies) arrives as tensors.
 
 Shapes: B samples, T response positions (right-padded, `response_mask` marks real tokens), K top-K
 ids, V vocabulary.
@@ -12,6 +12,7 @@ ids, V vocabulary.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Literal
 
 import torch
@@ -23,15 +24,13 @@ from sdpo_core.divergence import (
     topk_divergence,
 )
 from sdpo_core.grpo import LOG_RATIO_CLAMP, ppo_clip_loss, ppo_clipped_mask
+from sdpo_core.reductions import Aggregation, Reduction, check_modes, masked_mean, masked_token_mean
+from sdpo_core.weights import entropy_weights, normalised, question_weights
 
-Reduction = Literal["exclude", "dilute"]
-Aggregation = Literal["token-mean", "sequence-mean"]
-LossType = Literal["sdpo", "grpo", "blend"]
+LossType = Literal["sdpo", "grpo", "blend", "srpo"]
 Divergence = Literal["topk_tail", "topk_renorm", "full", "sampled_token"]
 
-_REDUCTIONS = ("exclude", "dilute")
-_AGGREGATIONS = ("token-mean", "sequence-mean")
-_LOSS_TYPES = ("sdpo", "grpo", "blend")
+_LOSS_TYPES = ("sdpo", "grpo", "blend", "srpo")
 _DIVERGENCES = ("topk_tail", "topk_renorm", "full", "sampled_token")
 
 
@@ -54,87 +53,6 @@ def importance_weights(logprobs: Tensor, old_logprobs: Tensor, *, clip: float | 
     return log_ratio.exp().clamp(max=clip)
 
 
-def _check_masks(per_token: Tensor, response_mask: Tensor, sample_mask: Tensor) -> None:
-    if per_token.ndim != 2 or response_mask.shape != per_token.shape:
-        raise ValueError(
-            f"per_token and response_mask must share one [B, T] shape, got {tuple(per_token.shape)} "
-            f"and {tuple(response_mask.shape)}"
-        )
-    if sample_mask.shape != per_token.shape[:1]:
-        raise ValueError(f"sample_mask must be [B]={per_token.shape[0]}, got {tuple(sample_mask.shape)}")
-    if response_mask.dtype != torch.bool or sample_mask.dtype != torch.bool:
-        raise TypeError(f"masks must be bool, got response_mask {response_mask.dtype}, sample_mask {sample_mask.dtype}")
-
-
-def _check_modes(reduction: str, aggregation: str) -> None:
-    if reduction not in _REDUCTIONS:
-        raise ValueError(f"reduction={reduction!r}; expected one of {_REDUCTIONS}")
-    if aggregation not in _AGGREGATIONS:
-        raise ValueError(f"aggregation={aggregation!r}; expected one of {_AGGREGATIONS}")
-
-
-def loss_denominator(
-    response_mask: Tensor, sample_mask: Tensor, *, reduction: Reduction, aggregation: Aggregation
-) -> Tensor:
-    """The count `masked_mean` divides by (float scalar); see `masked_mean` for the four cases.
-
-    When one batch is split into micro-batches whose gradients are summed, compute this once on the
-    whole batch's masks and pass it to every micro-batch, so the summed loss equals the whole-batch
-    mean.
-    """
-    _check_modes(reduction, aggregation)
-    active = response_mask & sample_mask[:, None]  # [B, T]
-    if aggregation == "token-mean":
-        counted = active if reduction == "exclude" else response_mask
-        return counted.sum().to(torch.float32)
-    if reduction == "exclude":
-        return (active.sum(dim=1) > 0).sum().to(torch.float32)
-    return torch.tensor(float(sample_mask.shape[0]))
-
-
-def masked_mean(
-    per_token: Tensor,
-    response_mask: Tensor,
-    sample_mask: Tensor,
-    *,
-    reduction: Reduction,
-    aggregation: Aggregation,
-    denominator: Tensor | float | None = None,
-) -> Tensor:
-    """Reduce a per-token loss [B, T] to a scalar under the response and per-sample masks.
-
-    A token is active when `response_mask[b, t] and sample_mask[b]`; n_b = sum_t response_mask[b, t].
-    With x_bt the per-token value:
-
-    - exclude, token-mean:    sum_active x_bt / #active tokens.
-    - dilute, token-mean:     sum_active x_bt / #response tokens of all samples (masked samples add
-      zeros to the numerator but keep their tokens in the count).
-    - exclude, sequence-mean: mean over active samples (sample_mask and n_b > 0) of
-      s_b = sum_t active x_bt / n_b.
-    - dilute, sequence-mean:  sum_b s_b / B, where a masked sample has s_b = 0. This is the paper's
-      code with one sequence per micro-batch.
-
-    "exclude" keeps the per-token scale fixed as the share of masked samples changes; "dilute" shrinks
-    the loss (and so the effective learning rate) when few samples have a teacher. With no active
-    token the loss is 0 and its gradient is exactly 0 (never NaN): masked positions are selected
-    out, not multiplied by 0, and the denominator is at least 1. `denominator` overrides the count
-    (see `loss_denominator`).
-    """
-    _check_masks(per_token, response_mask, sample_mask)
-    _check_modes(reduction, aggregation)
-    active = response_mask & sample_mask[:, None]  # [B, T]
-    values = torch.where(active, per_token, torch.zeros_like(per_token))  # [B, T]
-    if aggregation == "token-mean":
-        numerator = values.sum()
-    else:
-        tokens_per_sample = response_mask.sum(dim=1).clamp(min=1).to(values.dtype)  # [B]
-        numerator = (values.sum(dim=1) / tokens_per_sample).sum()
-    if denominator is None:
-        denominator = loss_denominator(response_mask, sample_mask, reduction=reduction, aggregation=aggregation)
-    denominator = torch.as_tensor(denominator, dtype=numerator.dtype, device=numerator.device)
-    return numerator / denominator.clamp(min=1.0)
-
-
 @dataclass(frozen=True, kw_only=True)
 class LossInputs:
     """Everything `policy_loss` reads, padded to [B, T] (and [B, T, K] / [B, T, V]).
@@ -142,7 +60,8 @@ class LossInputs:
     Tensors that carry the student's gradient: `student_token_logprobs`, `student_topk_logprobs`,
     `student_logits`. All others are treated as constants. Which optional fields are needed depends on
     the loss: top-K divergences need both `*_topk_logprobs`; "full" needs both `*_logits`;
-    "sampled_token" needs `teacher_token_logprobs`; GRPO (and the blend) need `advantages`.
+    "sampled_token" needs `teacher_token_logprobs`; GRPO, the blend and SRPO need `advantages`; SRPO
+    also `route_sdpo` and `teacher_entropy`; the pass-rate weights need `pass_rate`.
     """
 
     student_token_logprobs: Tensor  # [B, T] log p_theta(y_t), with grad
@@ -155,8 +74,13 @@ class LossInputs:
     advantages: Tensor | None = None  # [B] GRPO advantages, computed upstream
     student_logits: Tensor | None = None  # [B, T, V] for divergence="full", with grad
     teacher_logits: Tensor | None = None  # [B, T, V] for divergence="full"
+    route_sdpo: Tensor | None = None  # [B] bool, SRPO's branch decided upstream: True = SDPO, False = GRPO
+    teacher_entropy: Tensor | None = None  # [B, T] teacher's next-token entropy, full vocabulary (nats)
+    pass_rate: Tensor | None = None  # [B] the pass rate of the sample's question (its group)
     sdpo_denominator: Tensor | float | None = None  # whole-batch count for the SDPO term (micro-batching)
-    grpo_denominator: Tensor | float | None = None  # whole-batch count for the GRPO term (micro-batching)
+    grpo_denominator: Tensor | float | None = None  # whole-batch count for the GRPO and SRPO terms (micro-batching)
+    entropy_weight_norm: Tensor | float | None = None  # whole-batch norm of the entropy weights (micro-batching)
+    question_weight_norm: Tensor | float | None = None  # whole-batch norm of the question weights (micro-batching)
 
     def __post_init__(self) -> None:
         if self.student_token_logprobs.ndim != 2:
@@ -167,11 +91,18 @@ class LossInputs:
             "old_token_logprobs": self.old_token_logprobs,
             "response_mask": self.response_mask,
             "teacher_token_logprobs": self.teacher_token_logprobs,
+            "teacher_entropy": self.teacher_entropy,
         }
         for name, value in per_token.items():
             if value is not None and tuple(value.shape) != bt:
                 raise ValueError(f"{name} must be [B, T]={bt}, got {tuple(value.shape)}")
-        for name, value in {"sample_mask": self.sample_mask, "advantages": self.advantages}.items():
+        per_sample = {
+            "sample_mask": self.sample_mask,
+            "advantages": self.advantages,
+            "route_sdpo": self.route_sdpo,
+            "pass_rate": self.pass_rate,
+        }
+        for name, value in per_sample.items():
             if value is not None and tuple(value.shape) != bt[:1]:
                 raise ValueError(f"{name} must be [B]=({bt[0]},), got {tuple(value.shape)}")
         pairs = (
@@ -186,16 +117,18 @@ class LossInputs:
                 raise ValueError(
                     f"student_{what} {tuple(student.shape)} and teacher_{what} {tuple(teacher.shape)} differ in shape"
                 )
-        if self.response_mask.dtype != torch.bool or self.sample_mask.dtype != torch.bool:
-            raise TypeError(
-                f"masks must be bool, got response_mask {self.response_mask.dtype}, "
-                f"sample_mask {self.sample_mask.dtype}"
-            )
+        masks = {"response_mask": self.response_mask, "sample_mask": self.sample_mask, "route_sdpo": self.route_sdpo}
+        not_bool = {
+            name: value.dtype for name, value in masks.items() if value is not None and value.dtype != torch.bool
+        }
+        if not_bool:
+            raise TypeError(f"masks must be bool, got {not_bool}")
 
 
 @dataclass(frozen=True)
 class LossOutputs:
-    """The scalar loss to backpropagate and detached float metrics (namespaced `sdpo/`, `grpo/`, `loss/`).
+    """The scalar loss to backpropagate and detached float metrics (namespaced `sdpo/`, `grpo/`,
+    `srpo/`, `loss/`).
 
     `metric_counts[name]` is how many elements (tokens or samples) the mean `metrics[name]` is taken
     over, so micro-batch metrics combine into the metric of the whole step
@@ -253,91 +186,83 @@ def _sdpo_per_token(inputs: LossInputs, *, divergence: Divergence, alpha: float)
     return surrogate, estimate
 
 
-def _masked_token_mean(values: Tensor, mask: Tensor) -> float:
-    """Detached mean of `values` over `mask` as a float (0.0 when the mask is empty), for metrics."""
-    count = int(mask.sum())
-    return float(torch.where(mask, values.detach(), torch.zeros_like(values)).sum()) / count if count else 0.0
-
-
-def _sdpo_term(
+def _sdpo_tokens(
     inputs: LossInputs,
+    samples: Tensor,
     *,
     divergence: Divergence,
     alpha: float,
     is_clip: float | None,
-    reduction: Reduction,
-    aggregation: Aggregation,
+    srpo_beta: float | None,
+    pass_rate_weight: bool,
 ) -> tuple[Tensor, dict[str, float], dict[str, float]]:
-    response_mask, sample_mask = inputs.response_mask, inputs.sample_mask
+    """The SDPO term per token, [B, T] (weights * D_t, 0 off the tokens of `samples` [B]), and its
+    metrics over those tokens. The weights are the importance weights, times the normalised entropy
+    weights when `srpo_beta` is set, times the normalised question weights with `pass_rate_weight`."""
+    response_mask = inputs.response_mask
+    active = response_mask & samples[:, None]  # [B, T]
     per_token, divergence_value = _sdpo_per_token(inputs, divergence=divergence, alpha=alpha)  # [B, T]
-    weights = importance_weights(inputs.student_token_logprobs, inputs.old_token_logprobs, clip=is_clip)
-    loss = masked_mean(
-        per_token * weights.to(per_token.dtype),
-        response_mask,
-        sample_mask,
-        reduction=reduction,
-        aggregation=aggregation,
-        denominator=inputs.sdpo_denominator,
-    )
-    active = response_mask & sample_mask[:, None]  # [B, T]
+    is_weights = importance_weights(inputs.student_token_logprobs, inputs.old_token_logprobs, clip=is_clip)
+    weights = is_weights.to(per_token.dtype)
     num_response = int(response_mask.sum())
     num_active = float(active.sum())
     metrics = {
-        "sdpo/loss": float(loss.detach()),
-        "sdpo/divergence_mean": _masked_token_mean(divergence_value, active),
-        "sdpo/active_token_fraction": int(active.sum()) / num_response if num_response else 0.0,
-        "sdpo/active_sample_fraction": float(sample_mask.float().mean()) if sample_mask.numel() else 0.0,
-        "sdpo/is_weight_mean": _masked_token_mean(weights, active),
+        "sdpo/divergence_mean": masked_token_mean(divergence_value, active),
+        "sdpo/active_token_fraction": num_active / num_response if num_response else 0.0,
+        "sdpo/active_sample_fraction": float(samples.float().mean()) if samples.numel() else 0.0,
+        "sdpo/is_weight_mean": masked_token_mean(is_weights, active),
     }
+    counts = {"sdpo/active_token_fraction": float(num_response), "sdpo/active_sample_fraction": float(samples.numel())}
     if is_clip is not None:
         log_ratio = (inputs.student_token_logprobs - inputs.old_token_logprobs).detach()
-        metrics["sdpo/is_clip_fraction"] = _masked_token_mean((log_ratio.exp() > is_clip).float(), active)
+        metrics["sdpo/is_clip_fraction"] = masked_token_mean((log_ratio.exp() > is_clip).float(), active)
     if divergence in ("topk_tail", "topk_renorm"):
         student_topk, teacher_topk = _topk_logprobs(inputs, divergence=divergence)
         for side, topk in (("student", student_topk), ("teacher", teacher_topk)):
             mass = torch.logsumexp(topk.detach().float(), dim=-1).exp()  # [B, T]
-            metrics[f"sdpo/{side}_topk_mass_mean"] = _masked_token_mean(mass, active)
-    counts = {name: num_active for name in metrics if name != "sdpo/loss"}
-    counts["sdpo/active_token_fraction"] = float(num_response)
-    counts["sdpo/active_sample_fraction"] = float(sample_mask.numel())
-    return loss, metrics, counts
+            metrics[f"sdpo/{side}_topk_mass_mean"] = masked_token_mean(mass, active)
+    if srpo_beta is not None:
+        (entropy,) = _require({"teacher_entropy": inputs.teacher_entropy}, why="loss_type='srpo'")
+        raw = entropy_weights(entropy, beta=srpo_beta)  # [B, T]
+        token_weights = normalised(raw, active, norm=inputs.entropy_weight_norm)  # [B, T]
+        weights = weights * token_weights.to(weights.dtype)
+        metrics["srpo/entropy_weight_mean"] = masked_token_mean(token_weights, active)
+        metrics["srpo/entropy_weight_low_share"] = masked_token_mean((token_weights < 0.5).float(), active)
+        metrics["srpo/entropy_weight_high_share"] = masked_token_mean((token_weights > 2.0).float(), active)
+    counts.update({name: num_active for name in metrics if name not in counts})
+    if pass_rate_weight:
+        (pass_rate,) = _require({"pass_rate": inputs.pass_rate}, why="pass_rate_weight=True")
+        sample_weights = normalised(question_weights(pass_rate), samples, norm=inputs.question_weight_norm)  # [B]
+        weights = weights * sample_weights.to(weights.dtype)[:, None]
+        metrics["sdpo/question_weight_mean"] = masked_token_mean(sample_weights, samples)
+        counts["sdpo/question_weight_mean"] = float(samples.sum())
+    values = per_token * weights
+    return torch.where(active, values, torch.zeros_like(values)), metrics, counts
 
 
-def _grpo_term(
-    inputs: LossInputs,
-    *,
-    reduction: Reduction,
-    aggregation: Aggregation,
-    clip_low: float,
-    clip_high: float,
+def _grpo_tokens(
+    inputs: LossInputs, samples: Tensor, *, clip_low: float, clip_high: float
 ) -> tuple[Tensor, dict[str, float], dict[str, float]]:
+    """The PPO-clip term per token, [B, T] (0 off the tokens of `samples` [B]), and its metrics
+    over those tokens and samples."""
     (advantages,) = _require({"advantages": inputs.advantages}, why="the GRPO term")
-    response_mask = inputs.response_mask
-    ppo_args = (inputs.student_token_logprobs, inputs.old_token_logprobs, advantages, response_mask)
+    active = inputs.response_mask & samples[:, None]  # [B, T]
+    ppo_args = (inputs.student_token_logprobs, inputs.old_token_logprobs, advantages, active)
     per_token = ppo_clip_loss(*ppo_args, clip_low=clip_low, clip_high=clip_high)  # [B, T]
-    loss = masked_mean(
-        per_token,
-        response_mask,
-        torch.ones_like(inputs.sample_mask),
-        reduction=reduction,
-        aggregation=aggregation,
-        denominator=inputs.grpo_denominator,
-    )
     clipped = ppo_clipped_mask(*ppo_args, clip_low=clip_low, clip_high=clip_high)  # [B, T]
     log_ratio = (inputs.student_token_logprobs - inputs.old_token_logprobs).detach()
     ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()  # [B, T]
-    advantages = advantages.detach().float()
+    chosen = advantages.detach().float()[samples]
     metrics = {
-        "grpo/loss": float(loss.detach()),
-        "grpo/clip_fraction": _masked_token_mean(clipped.float(), response_mask),
-        "grpo/ratio_mean": _masked_token_mean(ratio, response_mask),
-        "grpo/advantage_mean": float(advantages.mean()) if advantages.numel() else 0.0,
-        "grpo/advantage_abs_mean": float(advantages.abs().mean()) if advantages.numel() else 0.0,
+        "grpo/clip_fraction": masked_token_mean(clipped.float(), active),
+        "grpo/ratio_mean": masked_token_mean(ratio, active),
+        "grpo/advantage_mean": float(chosen.mean()) if chosen.numel() else 0.0,
+        "grpo/advantage_abs_mean": float(chosen.abs().mean()) if chosen.numel() else 0.0,
     }
-    tokens = float(response_mask.sum())
+    tokens = float(active.sum())
     counts = {"grpo/clip_fraction": tokens, "grpo/ratio_mean": tokens}
-    counts["grpo/advantage_mean"] = counts["grpo/advantage_abs_mean"] = float(advantages.numel())
-    return loss, metrics, counts
+    counts["grpo/advantage_mean"] = counts["grpo/advantage_abs_mean"] = float(chosen.numel())
+    return per_token, metrics, counts
 
 
 def policy_loss(
@@ -352,6 +277,8 @@ def policy_loss(
     aggregation: Aggregation,
     clip_low: float,
     clip_high: float,
+    srpo_beta: float,
+    pass_rate_weight: bool,
 ) -> LossOutputs:
     """The training loss for one (micro-)batch.
 
@@ -363,10 +290,20 @@ def policy_loss(
     - "grpo": L_grpo = masked_mean of the PPO-clip loss over all response tokens (`sample_mask` is
       ignored: every sample has an advantage).
     - "blend": blend_lambda * L_grpo + (1 - blend_lambda) * L_sdpo. `blend_lambda` is read only here.
+      The paper's setting for weak models is blend_lambda = 0.9.
+    - "srpo": every sample is trained by one of the two terms, as `route_sdpo` says: the SDPO
+      per-token term, with its importance weights times the entropy weights exp(-srpo_beta * H_t)
+      normalised to mean 1 over the SDPO tokens (`sdpo_core.weights`), on the tokens of samples
+      routed to SDPO, the PPO-clip term on the others, and one reduction over all response tokens
+      (no mixing coefficient; with token-mean, one token mean over all routed tokens). A sample
+      routed to SDPO must have a teacher (`sample_mask`). `srpo_beta` is read only here.
 
-    `reduction` and `aggregation` are as in `masked_mean`; `clip_low`/`clip_high` are read only by
-    the GRPO term, `divergence`/`alpha`/`is_clip` only by the SDPO term. Only the terms the loss
-    type needs are computed, so the other term's inputs may be None.
+    `pass_rate_weight` multiplies the SDPO term's weights (in "sdpo", "blend" and "srpo") by each
+    sample's question weight sqrt(p (1 - p)), normalised to mean 1 over the samples the SDPO term
+    trains (`sdpo_core.weights`). `reduction` and `aggregation` are as in
+    `sdpo_core.reductions.masked_mean`; `clip_low`/`clip_high` are read only by the GRPO term,
+    `divergence`/`alpha`/`is_clip` only by the SDPO term. Only the terms the loss type needs are
+    computed, so the other term's inputs may be None.
     """
     if loss_type not in _LOSS_TYPES:
         raise ValueError(f"loss_type={loss_type!r}; expected one of {_LOSS_TYPES}")
@@ -374,25 +311,39 @@ def policy_loss(
         raise ValueError(f"divergence={divergence!r}; expected one of {_DIVERGENCES}")
     if not 0.0 <= blend_lambda <= 1.0:
         raise ValueError(f"blend_lambda={blend_lambda} is outside [0, 1]")
-    _check_modes(reduction, aggregation)
+    check_modes(reduction, aggregation)
+    mean = partial(masked_mean, response_mask=inputs.response_mask, reduction=reduction, aggregation=aggregation)
+    sdpo_tokens = partial(
+        _sdpo_tokens, inputs, divergence=divergence, alpha=alpha, is_clip=is_clip, pass_rate_weight=pass_rate_weight
+    )
+    grpo_tokens = partial(_grpo_tokens, inputs, clip_low=clip_low, clip_high=clip_high)
+    everyone = torch.ones_like(inputs.sample_mask)
 
     metrics: dict[str, float] = {}
     counts: dict[str, float] = {}
+    if loss_type == "srpo":
+        (route,) = _require({"route_sdpo": inputs.route_sdpo}, why="loss_type='srpo'")
+        untaught = torch.nonzero(route & ~inputs.sample_mask).flatten()
+        if untaught.numel():
+            raise ValueError(f"samples {untaught[:8].tolist()} are routed to SDPO but have no teacher (sample_mask)")
+        sdpo_x, sdpo_metrics, sdpo_counts = sdpo_tokens(route, srpo_beta=srpo_beta)
+        grpo_x, grpo_metrics, grpo_counts = grpo_tokens(~route)
+        routed = torch.where(route[:, None], sdpo_x, grpo_x.to(sdpo_x.dtype))  # [B, T]
+        loss = mean(routed, sample_mask=everyone, denominator=inputs.grpo_denominator)
+        for name, x in (("sdpo", sdpo_x), ("grpo", grpo_x)):  # each branch's share of the loss; they add up to it
+            metrics[f"{name}/loss"] = float(mean(x.detach(), sample_mask=everyone, denominator=inputs.grpo_denominator))
+        metrics.update({**sdpo_metrics, **grpo_metrics})
+        counts.update({**sdpo_counts, **grpo_counts})
     if loss_type in ("sdpo", "blend"):
-        sdpo_loss, sdpo_metrics, sdpo_counts = _sdpo_term(
-            inputs,
-            divergence=divergence,
-            alpha=alpha,
-            is_clip=is_clip,
-            reduction=reduction,
-            aggregation=aggregation,
-        )
+        sdpo_x, sdpo_metrics, sdpo_counts = sdpo_tokens(inputs.sample_mask, srpo_beta=None)
+        sdpo_loss = mean(sdpo_x, sample_mask=inputs.sample_mask, denominator=inputs.sdpo_denominator)
+        metrics["sdpo/loss"] = float(sdpo_loss.detach())
         metrics.update(sdpo_metrics)
         counts.update(sdpo_counts)
     if loss_type in ("grpo", "blend"):
-        grpo_loss, grpo_metrics, grpo_counts = _grpo_term(
-            inputs, reduction=reduction, aggregation=aggregation, clip_low=clip_low, clip_high=clip_high
-        )
+        grpo_x, grpo_metrics, grpo_counts = grpo_tokens(everyone)
+        grpo_loss = mean(grpo_x, sample_mask=everyone, denominator=inputs.grpo_denominator)
+        metrics["grpo/loss"] = float(grpo_loss.detach())
         metrics.update(grpo_metrics)
         counts.update(grpo_counts)
 
@@ -400,7 +351,7 @@ def policy_loss(
         loss = sdpo_loss
     elif loss_type == "grpo":
         loss = grpo_loss
-    else:
+    elif loss_type == "blend":
         loss = blend_lambda * grpo_loss + (1.0 - blend_lambda) * sdpo_loss
     metrics["loss/total"] = float(loss.detach())
     return LossOutputs(loss=loss, metrics=metrics, metric_counts=counts)

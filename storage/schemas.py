@@ -12,10 +12,11 @@ Invariants (checked by `check_rows` on every write):
   iteration being written; ids are >= 0;
 - per row T = len(response_ids) = len(sampled_logprobs) = len(topk_ids) = len(topk_logprobs), each
   top-K entry holding exactly K values;
-- teacher shards also: len(teacher_sampled_logprobs) = len(teacher_topk_logprobs) = T (teacher
-  logprobs of the student's topk_ids, same order);
-- logprob values are not NaN and <= 1e-3 (rounding slack above 0); -inf is allowed; `reward` and
-  `advantage` are finite;
+- teacher shards also: len(teacher_sampled_logprobs) = len(teacher_topk_logprobs) =
+  len(teacher_entropy) = T (teacher logprobs of the student's topk_ids, same order; the teacher's
+  entropy at each response position); `route` is null, "sdpo" or "grpo"; `pass_rate` is in [0, 1];
+- logprob values are not NaN and <= 1e-3 (rounding slack above 0); -inf is allowed; entropies are
+  finite and >= -1e-3 (rounding slack below 0); `reward` and `advantage` are finite;
 - prompt_messages are lists of {"role": str, "content": str} dicts, nothing else;
 - sample_id is unique within a stage (checked by the writer across shards).
 """
@@ -32,12 +33,24 @@ import pyarrow.compute as pc
 from storage.errors import SchemaVersionError, ShardInvariantError
 
 ColumnKind = Literal[
-    "int64", "int32", "float32", "string", "bool", "tokens", "logprobs", "topk_ids", "topk_logprobs", "messages"
+    "int64",
+    "int32",
+    "float32",
+    "string",
+    "bool",
+    "tokens",
+    "logprobs",
+    "entropies",
+    "topk_ids",
+    "topk_logprobs",
+    "messages",
 ]
 LogprobDtype = Literal["float32", "float16"]
 LOGPROB_DTYPES: tuple[LogprobDtype, ...] = ("float32", "float16")
 FINISH_REASONS = ("stop", "length")
 LOGPROB_MAX = 1e-3  # log-probabilities above this are corrupt, not rounding
+ENTROPY_MIN = -1e-3  # entropies below this are corrupt, not rounding
+ROUTES = ("sdpo", "grpo")  # the values of the teacher shard's `route` column (null: the loss does not route)
 
 META_SCHEMA = b"sdpo.schema"
 META_VERSION = b"sdpo.schema_version"
@@ -71,7 +84,9 @@ class Column:
             item = pa.int32() if self.kind == "topk_ids" else logprob
             per_token = pa.list_(pa.field("element", item, nullable=False), top_k)
             return pa.list_(pa.field("element", per_token, nullable=False))
-        item = {"tokens": pa.int32(), "logprobs": pa.float32(), "messages": _MESSAGE}[self.kind]
+        item = {"tokens": pa.int32(), "logprobs": pa.float32(), "entropies": pa.float32(), "messages": _MESSAGE}[
+            self.kind
+        ]
         return pa.list_(pa.field("element", item, nullable=False))
 
 
@@ -105,6 +120,15 @@ TEACHER_COLUMNS: tuple[Column, ...] = (
     Column("teacher_topk_logprobs", "topk_logprobs", False, "[T][K] teacher logprobs of the student's topk_ids"),
     Column("teacher_sampled_logprobs", "logprobs", False, "[T] teacher logprob of each sampled token"),
     Column("advantage", "float32", False, "per-sample advantage decided upstream (e.g. GRPO group-normalised reward)"),
+    Column(
+        "route", "string", True, "SRPO's branch for the sample, 'sdpo' or 'grpo'; null when the loss does not route"
+    ),
+    Column(
+        "pass_rate", "float32", False, "share of the sample's group with a reward at the success threshold or above"
+    ),
+    Column(
+        "teacher_entropy", "entropies", False, "[T] teacher's next-token entropy, full vocabulary, nats (0: unscored)"
+    ),
 )
 
 
@@ -149,7 +173,7 @@ class ShardSchema:
 
 
 ROLLOUT = ShardSchema("rollout", 1, ROLLOUT_COLUMNS)
-TEACHER = ShardSchema("teacher", 1, ROLLOUT_COLUMNS + TEACHER_COLUMNS)
+TEACHER = ShardSchema("teacher", 2, ROLLOUT_COLUMNS + TEACHER_COLUMNS)
 SCHEMAS = {s.name: s for s in (ROLLOUT, TEACHER)}
 STAGE_SCHEMAS = {"rollout": ROLLOUT, "teacher": TEACHER}  # stages whose shards must have this schema
 
@@ -220,7 +244,7 @@ def check_rows(schema: ShardSchema, table: pa.Table, *, top_k: int, iteration: i
 
     t = row_lengths(table.column("response_ids"))  # [N] tokens per response
     for c in schema.columns:
-        if c.kind not in ("logprobs", "topk_ids", "topk_logprobs"):
+        if c.kind not in ("logprobs", "entropies", "topk_ids", "topk_logprobs"):
             continue
         got = row_lengths(table.column(c.name))
         if (bad := np.flatnonzero(got != t)).size:
@@ -243,6 +267,21 @@ def check_rows(schema: ShardSchema, table: pa.Table, *, top_k: int, iteration: i
             if bad_values.any():
                 rows = _rows_where(table.column(c.name), bad_values)
                 _fail(schema, f"{c.name!r} holds NaN or a value > {LOGPROB_MAX}", rows)
+        if c.kind == "entropies":
+            values = _values(table.column(c.name))
+            bad_values = ~np.isfinite(values) | (values < ENTROPY_MIN)
+            if bad_values.any():
+                rows = _rows_where(table.column(c.name), bad_values)
+                _fail(schema, f"{c.name!r} holds a non-finite value or one < {ENTROPY_MIN}", rows)
+    if "route" in schema.names:
+        routes = table.column("route")
+        known = pc.or_kleene(pc.is_null(routes), pc.is_in(routes, pa.array(ROUTES))).to_numpy(zero_copy_only=False)
+        if (bad := np.flatnonzero(~known)).size:
+            _fail(schema, f"route {routes[int(bad[0])].as_py()!r} not in {ROUTES} (or null)", bad)
+    if "pass_rate" in schema.names:
+        rates = table.column("pass_rate").to_numpy()
+        if (bad := np.flatnonzero(~((rates >= 0) & (rates <= 1)))).size:
+            _fail(schema, f"pass_rate {rates[bad[0]]} is outside [0, 1]", bad)
 
 
 def _leaves(column: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, np.ndarray]:

@@ -19,7 +19,7 @@ import pyarrow as pa
 from storage.errors import SchemaVersionError, ShardInvariantError
 from storage.schemas import Column
 
-LIST_KINDS = ("tokens", "logprobs", "topk_ids", "topk_logprobs")
+LIST_KINDS = ("tokens", "logprobs", "entropies", "topk_ids", "topk_logprobs")
 TOPK_KINDS = ("topk_ids", "topk_logprobs")
 _MAX_LIST_VALUES = 2**31 - 1  # int32 list offsets
 

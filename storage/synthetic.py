@@ -119,5 +119,9 @@ def synthetic_columns(
             "teacher_topk_logprobs": Ragged(teacher_topk, offsets),
             "teacher_sampled_logprobs": Ragged(teacher_topk[rows, pick], offsets),
             "advantage": (columns["reward"] - 0.5).astype(np.float32),
+            "route": [None] * n_rows,
+            "pass_rate": np.full(n_rows, 0.5, dtype=np.float32),
+            # the top-K share of the teacher's entropy (no draw from rng: the stream stays as it was)
+            "teacher_entropy": Ragged(-(np.exp(teacher_topk) * teacher_topk).sum(axis=1).astype(np.float32), offsets),
         }
     return columns

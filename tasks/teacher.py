@@ -3,8 +3,10 @@
 Groups the rollout rows, asks the configured feedback class for each sample's teacher messages and
 mask, renders them with the student's chat template, and scores `teacher_prompt_ids +
 response_ids` with the teacher weights (forward only), gathering log-probs on the student's top-K
-ids and on the sampled token. The response ids are never re-tokenised. GRPO advantages are
-computed here too, so the trainer receives every per-sample decision as a column.
+ids and on the sampled token, and the teacher's next-token entropy over the full vocabulary (every
+teacher backend has the full logits, so it is exact). The response ids are never re-tokenised.
+GRPO advantages, each question's pass rate and, for SRPO, each sample's route are decided here
+too, so the trainer receives every per-sample decision as a column.
 
 Output: `iter-<n>/teacher` shards = rollout columns + teacher columns, and the stage manifest.
 """
@@ -51,9 +53,26 @@ def sample_records(columns: dict[str, Any]) -> list[Any]:
     ]
 
 
+def success_threshold(policy: Any) -> float:
+    """The reward from which the feedback policy counts an answer a success; OPD and OPSD have no
+    threshold, for them it is a perfect answer (1.0)."""
+    from sdpo_core.feedback import RelaxSDPOFeedback, SDPOFeedback
+
+    return policy.success_threshold if isinstance(policy, (SDPOFeedback, RelaxSDPOFeedback)) else 1.0
+
+
+def routes(cfg: RunConfig, samples: list[Any], contexts: list[Any]) -> list[str | None]:
+    """Each sample's SRPO route ("sdpo" or "grpo") in row order; None for losses that do not route."""
+    from sdpo_core.routing import route_samples
+
+    if cfg.loss.type != "srpo":
+        return [None] * len(samples)
+    threshold = success_threshold(feedback_policy(cfg))
+    return list(route_samples(samples, contexts, success_threshold=threshold, rule=cfg.loss.srpo.route))
+
+
 def build_contexts(run: Run, columns: dict[str, Any]) -> tuple[list[Any], dict[str, float]]:
     """Teacher contexts for every rollout row, in row order, and the context metrics."""
-    from sdpo_core.feedback import RelaxSDPOFeedback, SDPOFeedback
     from sdpo_core.metrics import teacher_context_metrics, warn_if_inactive
 
     policy = feedback_policy(run.cfg)
@@ -66,9 +85,7 @@ def build_contexts(run: Run, columns: dict[str, Any]) -> tuple[list[Any], dict[s
         for ctx in policy.prepare_group(group):
             by_id[ctx.sample_id] = ctx
     contexts = [by_id[s.sample_id] for s in samples]
-    # OPD and OPSD have no success threshold; their metrics count perfect answers.
-    threshold = policy.success_threshold if isinstance(policy, (SDPOFeedback, RelaxSDPOFeedback)) else 1.0
-    metrics = teacher_context_metrics(samples, contexts, success_threshold=threshold)
+    metrics = teacher_context_metrics(samples, contexts, success_threshold=success_threshold(policy))
     warn_if_inactive(metrics, logger=logger)
     return contexts, metrics
 
@@ -81,6 +98,7 @@ def run_teacher(root: str, run_name: str, iteration: int) -> dict | None:
     import torch
 
     from sdpo_core.grpo import group_advantages
+    from sdpo_core.routing import pass_rates
     from storage.checkpoints import resolve_checkpoint
     from storage.manifest import read_stage_manifest, stage_done
     from storage.shard_reader import read_stage_columns
@@ -108,6 +126,8 @@ def run_teacher(root: str, run_name: str, iteration: int) -> dict | None:
     rewards = torch.from_numpy(np.array(columns["reward"], dtype=np.float32))
     group_ids = torch.from_numpy(np.array(columns["group_id"], dtype=np.int64))
     advantages = group_advantages(rewards, group_ids, normalize_std=cfg.loss.grpo_normalize_std)
+    threshold = success_threshold(feedback_policy(cfg))
+    rates = pass_rates(rewards.tolist(), group_ids.tolist(), success_threshold=threshold)
 
     source_n, source_kind = teacher_checkpoint(run, iteration)
     metrics: dict[str, float] = {"teacher/source_iteration": float(source_n)}
@@ -126,6 +146,8 @@ def run_teacher(root: str, run_name: str, iteration: int) -> dict | None:
         masks = [False] * n_rows
         topk_lp = [np.zeros((len(r), k), dtype=np.float32) for r in columns["response_ids"]]
         token_lp = [np.zeros((len(r),), dtype=np.float32) for r in columns["response_ids"]]
+        entropy = [np.zeros((len(r),), dtype=np.float32) for r in columns["response_ids"]]
+        route: list[str | None] = [None] * n_rows
     else:
         contexts, ctx_metrics = build_contexts(run, columns)
         metrics.update(ctx_metrics)
@@ -160,8 +182,11 @@ def run_teacher(root: str, run_name: str, iteration: int) -> dict | None:
                 trust_region_rate=rate,
             )
         score_seconds = time.perf_counter() - score_started
-        topk_lp = [s[0] for s in scored]
-        token_lp = [s[1] for s in scored]
+        topk_lp = [s.topk_logprobs for s in scored]
+        token_lp = [s.sampled_logprobs for s in scored]
+        entropy = [s.entropy for s in scored]
+        route = routes(cfg, sample_records(columns), contexts)
+        metrics.update(decision_metrics(cfg, route=route, entropy=entropy, pass_rate=rates, mask=masks))
         scored_tokens = sum(len(t) + len(r) for t, r in zip(teacher_ids, columns["response_ids"], strict=True))
         metrics["teacher/score_seconds"] = score_seconds
         metrics["teacher/tokens_per_second"] = scored_tokens / max(score_seconds, 1e-9)
@@ -178,6 +203,9 @@ def run_teacher(root: str, run_name: str, iteration: int) -> dict | None:
     out["teacher_topk_logprobs"] = topk_lp
     out["teacher_sampled_logprobs"] = token_lp
     out["advantage"] = advantages.numpy().astype(np.float32).tolist()
+    out["route"] = route
+    out["pass_rate"] = np.asarray(rates, dtype=np.float32)
+    out["teacher_entropy"] = entropy
     metrics["teacher/sample_mask_fraction"] = float(np.mean(masks)) if n_rows else 0.0
     if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
         return None  # under torchrun every rank scored its share; rank 0 writes the stage
@@ -187,3 +215,30 @@ def run_teacher(root: str, run_name: str, iteration: int) -> dict | None:
     metrics["teacher/stage_seconds"] = time.perf_counter() - started  # its shards written; the manifest holds it
     # parents: the rollout it scored and the checkpoint whose weights scored it
     return output.commit(parents=[parent, teacher_manifest], metrics=metrics)
+
+
+def decision_metrics(
+    cfg: RunConfig, *, route: list[str | None], entropy: list[Any], pass_rate: list[float], mask: list[bool]
+) -> dict[str, float]:
+    """The teacher's entropy over every scored token, and what the loss's per-sample decisions
+    look like: SRPO's routed shares and entropy weights, the pass-rate question weights."""
+    import torch
+
+    from sdpo_core.routing import entropy_metrics, question_weight_metrics, routing_metrics
+
+    flat = torch.from_numpy(
+        np.concatenate([np.zeros(0, dtype=np.float32), *(np.asarray(e, np.float32) for e in entropy)])
+    )
+    metrics = entropy_metrics(flat)
+    if cfg.loss.type == "srpo":
+        lengths = [len(e) for e in entropy]
+        sdpo_tokens = torch.from_numpy(np.repeat(np.asarray([r == "sdpo" for r in route], dtype=bool), lengths))
+        metrics.update(routing_metrics([str(r) for r in route], flat, sdpo_tokens, beta=cfg.loss.srpo.beta))
+    if cfg.loss.pass_rate_weight:
+        trained = [r == "sdpo" for r in route] if cfg.loss.type == "srpo" else mask
+        metrics.update(
+            question_weight_metrics(
+                torch.tensor(pass_rate, dtype=torch.float64), torch.tensor(trained, dtype=torch.bool)
+            )
+        )
+    return metrics

@@ -54,6 +54,9 @@ def synthetic_teacher_columns(vocab: int, *, rows: int, k: int, seed: int, promp
         "sampled_logprobs",
         "advantage",
         "sample_mask",
+        "route",
+        "pass_rate",
+        "teacher_entropy",
     )
     cols: dict[str, list] = {name: [] for name in names}
     for i in range(rows):
@@ -71,6 +74,9 @@ def synthetic_teacher_columns(vocab: int, *, rows: int, k: int, seed: int, promp
         cols["sampled_logprobs"].append((logp[np.arange(t), response_ids] - 0.1).astype(np.float32))
         cols["advantage"].append(float(rng.normal()))
         cols["sample_mask"].append(bool(i % 3))
+        cols["route"].append(None)
+        cols["pass_rate"].append(float(rng.integers(0, 5)) / 4)
+        cols["teacher_entropy"].append(-(np.exp(logp) * logp).sum(-1).astype(np.float32))
     return cols
 
 
@@ -117,11 +123,14 @@ def write_synthetic_run(
     rows_per_shard: int = 4096,
     row_group_size: int = 256,
     response_len: tuple[int, int] = (16, 64),
+    overrides: tuple[str, ...] = (),
 ):
-    """A run with no model behind it under `root` (a path or URL): run.json (default config), the
+    """A run with no model behind it under `root` (a path or URL): run.json (default config and
+    `overrides`), the
     demo tokenizer as the policy checkpoint of iteration `iteration - 1`, and a committed rollout
     (and, with `scored`, teacher) stage of `rows` synthetic samples in groups of `group_size`, made
-    as the teacher stage makes them (masks and teacher prompts from the run's feedback policy).
+    as the teacher stage makes them (masks, teacher prompts, routes and pass rates from the run's
+    feedback policy and loss).
     `local_dir` holds the tokenizer files and the checkpoint cache. Returns the run's RunLayout.
 
     With `texts`, responses cycle through them, tokenised with that tokenizer (the sampled token is
@@ -136,7 +145,9 @@ def write_synthetic_run(
     from tasks.config import load_config, to_dict
     from tasks.data.bootstrap_model import build_tokenizer
 
-    cfg = load_config(None, [f"name={name}", f"storage.root={root}", f"storage.cache_dir={local_dir / 'cache'}"])
+    cfg = load_config(
+        None, [f"name={name}", f"storage.root={root}", f"storage.cache_dir={local_dir / 'cache'}", *overrides]
+    )
     layout = RunLayout(root, name)
     create_or_open_run(layout, to_dict(cfg))
     tokenizer = build_tokenizer(local_dir / "tokenizer")
@@ -182,9 +193,11 @@ def write_synthetic_run(
             "sampled_logprobs": Ragged(logprobs[rows_, pick], offsets),
             "teacher_topk_logprobs": Ragged(teacher, offsets),
             "teacher_sampled_logprobs": Ragged(teacher[rows_, pick], offsets),
+            "teacher_entropy": Ragged(-(np.exp(teacher) * teacher).sum(axis=1).astype(np.float32), offsets),
         }
     # The teacher columns the teacher stage would write: contexts from the run's feedback policy.
-    from tasks.teacher import feedback_policy, sample_records
+    from sdpo_core.routing import pass_rates
+    from tasks.teacher import feedback_policy, routes, sample_records, success_threshold
 
     records = sample_records(columns)
     policy = feedback_policy(cfg)
@@ -204,6 +217,13 @@ def write_synthetic_run(
         "teacher_prompt_text": [tokenizer.decode(t, skip_special_tokens=False) for t in teacher_ids],
         "teacher_source": [c.source for c in ordered],
         "sample_mask": [c.mask for c in ordered],
+        "route": routes(cfg, records, ordered),
+        "pass_rate": np.asarray(
+            pass_rates(
+                [r.reward for r in records], [r.group_id for r in records], success_threshold=success_threshold(policy)
+            ),
+            dtype=np.float32,
+        ),
     }
     sizes = {"rows_per_shard": rows_per_shard, "row_group_size": row_group_size}
     rollout = write_shards(layout, iteration, "rollout", {c: columns[c] for c in ROLLOUT.names}, **sizes).commit()

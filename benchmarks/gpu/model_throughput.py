@@ -57,6 +57,9 @@ def synthetic_columns(*, samples: int, seq: int, k: int, vocab: int, seed: int) 
             "sampled_logprobs",
             "advantage",
             "sample_mask",
+            "route",
+            "pass_rate",
+            "teacher_entropy",
         )
     }
     for i in range(samples):
@@ -69,6 +72,9 @@ def synthetic_columns(*, samples: int, seq: int, k: int, vocab: int, seed: int) 
         cols["sampled_logprobs"].append(np.full(resp_len, -12.0, dtype=np.float32))
         cols["advantage"].append(float(rng.normal()))
         cols["sample_mask"].append(True)
+        cols["route"].append(None)
+        cols["pass_rate"].append(0.5)
+        cols["teacher_entropy"].append(np.full(resp_len, 1.0, dtype=np.float32))
     return cols
 
 

@@ -117,6 +117,9 @@ def main() -> None:
             "teacher_sampled_logprobs": [s.sampled_logprobs for s in mega],
             "advantage": group_advantages(rewards, groups, normalize_std=False).tolist(),
             "sample_mask": [True] * len(samples),
+            "route": [None] * len(samples),
+            "pass_rate": [0.5] * len(samples),
+            "teacher_entropy": [s.entropy for s in mega],
         }
 
         def make_cfg(**train):

@@ -1,6 +1,7 @@
 """The sections that define the experiment: the model, the data, the verifier, rollout, teacher,
 loss, optimizer, training and evaluation. Every value here can change the result (run.json
-freezes them)."""
+freezes them). They stay in one module, past 400 lines, so that one file lists everything a run's
+results depend on."""
 
 from __future__ import annotations
 
@@ -244,9 +245,34 @@ class TeacherConfig(Section):
         return rate
 
 
+class SRPOConfig(Section):
+    """Sample routing (loss.type = srpo): failed samples a sibling can teach go to SDPO, every other
+    sample to GRPO, in one token mean."""
+
+    route: Literal["failed_with_solution", "failed_with_teacher"] = Field(
+        "failed_with_solution",
+        description="which failed samples go to SDPO: failed_with_solution (the paper's: the group holds another, "
+        "successful answer to show the teacher) or failed_with_teacher (any teacher context, environment feedback "
+        "included); success is the feedback policy's success_threshold",
+    )
+    beta: float = Field(
+        1.0, ge=0, description="SDPO tokens weighted by exp(-beta * teacher entropy), mean 1 per step; 0 = unweighted"
+    )
+
+
 class LossConfig(Section):
-    type: Literal["sdpo", "grpo", "blend"] = "sdpo"
+    type: Literal["sdpo", "grpo", "blend", "srpo"] = Field(
+        "sdpo",
+        description="sdpo | grpo | blend (lambda*GRPO + (1-lambda)*SDPO; the paper's weak-model setting is "
+        "blend_lambda=0.9) | srpo (sample routing, see loss.srpo)",
+    )
     blend_lambda: float = Field(0.0, ge=0, le=1, description="blend: lambda*GRPO + (1-lambda)*SDPO")
+    srpo: SRPOConfig = SRPOConfig()
+    pass_rate_weight: bool = Field(
+        False,
+        description="weight each sample's SDPO loss by its question's sqrt(p(1-p)), p the group's pass rate, "
+        "normalised to mean 1 over the step's SDPO samples",
+    )
     divergence: Literal["topk_tail", "topk_renorm", "full", "sampled_token"] = "topk_tail"
     alpha: float = Field(0.5, ge=0, le=1, description="0 = KL(teacher||student), 1 = KL(student||teacher)")
     is_clip: float | None = Field(2.0, gt=0, description="per-token importance-weight cap; null = off")
@@ -255,7 +281,7 @@ class LossConfig(Section):
         "sequence-mean",
         description="sequence-mean: each response's token mean, then the mean over responses (the paper "
         "code's one sequence per micro-batch, and TRL's); token-mean: one mean over all tokens, so long "
-        "responses weigh more",
+        "responses weigh more (SRPO's paper form)",
     )
     grpo_normalize_std: bool = False
     clip_low: float = Field(0.2, ge=0)
@@ -271,7 +297,13 @@ class LossConfig(Section):
         if self.type == "blend" and self.blend_lambda in (0.0, 1.0):
             raise ValueError(
                 f"type='blend' with blend_lambda={self.blend_lambda} is a pure loss; "
-                "use type=sdpo (lambda 0) or type=grpo (lambda 1), or pick 0 < blend_lambda < 1"
+                "use type=sdpo (lambda 0) or type=grpo (lambda 1), or pick 0 < blend_lambda < 1 "
+                "(0.9 is the paper's setting for weak models)"
+            )
+        if self.type == "grpo" and self.pass_rate_weight:
+            raise ValueError(
+                "loss.pass_rate_weight=true weights the SDPO term, which loss.type='grpo' does not have; "
+                "set loss.pass_rate_weight=false or pick type sdpo, blend or srpo"
             )
         return self
 

@@ -52,7 +52,7 @@ class RunConfig(Section):
 
     @model_validator(mode="after")
     def _cross_section(self) -> RunConfig:
-        uses_distillation = self.loss.type in ("sdpo", "blend")
+        uses_distillation = self.loss.type in ("sdpo", "blend", "srpo")
         if uses_distillation and self.teacher.feedback in ("sdpo", "sdpo_relax") and self.rollout.group_size < 2:
             raise ValueError(
                 f"rollout.group_size={self.rollout.group_size} with loss.type={self.loss.type!r} and "
@@ -64,7 +64,13 @@ class RunConfig(Section):
                 "loss.divergence='full' records the whole vocabulary per token, which SGLang would send "
                 "as JSON; use divergence=topk_tail with rollout.engine=sglang"
             )
-        if self.loss.type in ("grpo", "blend") and self.rollout.group_size < 2:
+        if self.loss.type == "srpo" and self.teacher.feedback in ("opd", "opsd"):
+            raise ValueError(
+                f"loss.type='srpo' routes a failed sample to SDPO when its teacher was shown a successful sibling "
+                f"or feedback, which teacher.feedback={self.teacher.feedback!r} never shows; "
+                "set teacher.feedback=sdpo (or sdpo_relax)"
+            )
+        if self.loss.type in ("grpo", "blend", "srpo") and self.rollout.group_size < 2:
             raise ValueError(
                 f"rollout.group_size={self.rollout.group_size}: GRPO advantages need groups of >= 2 answers"
             )

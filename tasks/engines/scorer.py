@@ -2,8 +2,8 @@
 
 For each sequence `prompt_ids + response_ids`, the hidden state at position len(prompt)-1+t
 predicts response token t. The log-probs there are gathered at the student's top-K ids and at the
-response token itself. The response is never re-tokenised: the ids the student sampled are the
-ids scored.
+response token itself, and the entropy of the whole next-token distribution (all V logits) is
+taken there. The response is never re-tokenised: the ids the student sampled are the ids scored.
 
 Memory: the decoder runs on a right-padded batch of at most `batch_tokens` (padded) tokens, but the
 vocabulary projection runs only on the batch's response positions, gathered across its sequences
@@ -35,6 +35,7 @@ class TeacherScores(NamedTuple):
 
     topk_logprobs: np.ndarray  # [T, K] float32
     sampled_logprobs: np.ndarray  # [T] float32
+    entropy: np.ndarray  # [T] float32, entropy of the next-token distribution over the full vocabulary (nats)
 
 
 def pack_batches(lengths: list[int], *, batch_tokens: int) -> list[list[int]]:
@@ -99,7 +100,8 @@ def score_teacher(
     trust_region_rate: float | None = None,
     progress: bool = False,
 ) -> list[TeacherScores]:
-    """Log-probs of each (prompt_ids, response_ids) pair's response, at `topk_ids` and the sampled ids.
+    """Log-probs of each (prompt_ids, response_ids) pair's response, at `topk_ids` and the sampled ids,
+    and the entropy of each response position's next-token distribution.
 
     `topk_ids[i]` is [T_i, K] (the student's ids per response token). With `reference_model` and
     `trust_region_rate` tau, the teacher's logits are the trust-region mix
@@ -167,7 +169,7 @@ def score_teacher(
         states = hidden.reshape(-1, hidden.shape[-1]).index_select(0, flat)  # [N, H]
         if reference_model is not None:
             ref_states = ref_hidden.reshape(-1, ref_hidden.shape[-1]).index_select(0, flat)
-        topk_parts, sampled_parts = [], []
+        topk_parts, sampled_parts, entropy_parts = [], [], []
         for c0 in range(0, flat.shape[0], logit_chunk_tokens):
             c1 = min(c0 + logit_chunk_tokens, flat.shape[0])
             logits = head(states[c0:c1]).float()  # [C, V]
@@ -178,12 +180,15 @@ def score_teacher(
             logprobs = torch.log_softmax(logits, dim=-1)  # [C, V]
             topk_parts.append(logprobs.gather(-1, ids[c0:c1]))  # [C, K]
             sampled_parts.append(logprobs.gather(-1, targets[c0:c1, None])[:, 0])  # [C]
+            entropy_parts.append(-(logprobs.exp() * logprobs).sum(dim=-1))  # [C]
         k = topk_ids[batch[0]].shape[1]
         topk_all = torch.cat(topk_parts).cpu().numpy() if topk_parts else np.zeros((0, k), dtype=np.float32)
         sampled_all = torch.cat(sampled_parts).cpu().numpy() if sampled_parts else np.zeros((0,), dtype=np.float32)
+        entropy_all = torch.cat(entropy_parts).cpu().numpy() if entropy_parts else np.zeros((0,), dtype=np.float32)
         for j, i in enumerate(batch):
             results[i] = TeacherScores(
                 topk_logprobs=np.ascontiguousarray(topk_all[bounds[j] : bounds[j + 1]], dtype=np.float32),
                 sampled_logprobs=np.ascontiguousarray(sampled_all[bounds[j] : bounds[j + 1]], dtype=np.float32),
+                entropy=np.ascontiguousarray(entropy_all[bounds[j] : bounds[j + 1]], dtype=np.float32),
             )
     return results

@@ -1,12 +1,12 @@
 """Training batches from the teacher shards' columns: padded or packed micro-batches, the
-mini-batch split of an iteration, and the loss denominators of a mini-batch."""
+mini-batch split of an iteration, and the loss normalisers of a mini-batch."""
 
 from __future__ import annotations
 
 import dataclasses
 import random
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -24,6 +24,9 @@ TRAIN_COLUMNS = (
     "teacher_sampled_logprobs",
     "advantage",
     "sample_mask",
+    "route",
+    "pass_rate",
+    "teacher_entropy",
 )
 
 
@@ -44,6 +47,9 @@ class Batch:
     old_token_logprobs: Any  # [B, T] behaviour policy (rollout engine)
     advantages: Any  # [B]
     sample_mask: Any  # [B] bool
+    route_sdpo: Any  # [B] bool, SRPO's route is "sdpo" (False also where the loss does not route)
+    pass_rate: Any  # [B] the pass rate of the sample's question
+    teacher_entropy: Any  # [B, T] teacher's next-token entropy
     # Packed micro-batches (train.packing): tokens is one row [1, L] of the samples end to end.
     packed_seq_params: Any = None  # Megatron PackedSeqParams (thd, boundaries on the CPU)
 
@@ -78,6 +84,7 @@ def make_batch(columns: dict[str, Any], rows: list[int]) -> Batch:
     teacher_topk = np.zeros((b, t, k), dtype=np.float32)
     teacher_tok = np.zeros((b, t), dtype=np.float32)
     old_tok = np.zeros((b, t), dtype=np.float32)
+    entropy = np.zeros((b, t), dtype=np.float32)
     for j, (i, p, r) in enumerate(zip(rows, prompts, responses, strict=True)):
         n_p, n_r = len(p), len(r)
         tokens[j, :n_p] = p
@@ -89,6 +96,7 @@ def make_batch(columns: dict[str, Any], rows: list[int]) -> Batch:
         teacher_topk[j, :n_r] = np.asarray(columns["teacher_topk_logprobs"][i])
         teacher_tok[j, :n_r] = np.asarray(columns["teacher_sampled_logprobs"][i])
         old_tok[j, :n_r] = np.asarray(columns["sampled_logprobs"][i])
+        entropy[j, :n_r] = np.asarray(columns["teacher_entropy"][i])
     positions = np.broadcast_to(np.arange(s, dtype=np.int64), (b, s)).copy()
     return Batch(
         tokens=torch.from_numpy(tokens),
@@ -102,6 +110,9 @@ def make_batch(columns: dict[str, Any], rows: list[int]) -> Batch:
         old_token_logprobs=torch.from_numpy(old_tok),
         advantages=torch.as_tensor(np.asarray([columns["advantage"][i] for i in rows], dtype=np.float32)),
         sample_mask=torch.as_tensor(np.asarray([bool(columns["sample_mask"][i]) for i in rows])),
+        route_sdpo=torch.as_tensor(np.asarray([columns["route"][i] == "sdpo" for i in rows], dtype=bool)),
+        pass_rate=torch.as_tensor(np.asarray([columns["pass_rate"][i] for i in rows], dtype=np.float32)),
+        teacher_entropy=torch.from_numpy(entropy),
     )
 
 
@@ -139,20 +150,42 @@ def micro_batches(cfg: RunConfig, columns: dict[str, Any], rows: list[int]) -> l
     return [make_packed_batch(columns, [rows[j] for j in pack]) for pack in packs]
 
 
-def mini_batch_denominators(cfg: RunConfig, columns: dict[str, Any], rows: list[int]) -> tuple[Any, Any]:
-    """(SDPO, GRPO) loss normalisers of a whole mini-batch; GRPO counts every sample. Only the
-    response lengths and sample masks are read (the masks `make_batch` would build)."""
+class Normalisers(NamedTuple):
+    """What every micro-batch of a mini-batch divides by, computed on the whole mini-batch, so the
+    summed micro-batch losses equal the mini-batch loss (`sdpo_core.losses.LossInputs`)."""
+
+    sdpo: Any  # the SDPO term's count
+    grpo: Any  # the GRPO (and SRPO) term's count: every sample
+    entropy_weight: Any  # SRPO: mean exp(-beta H) over the SDPO tokens; None for other losses
+    question_weight: Any  # mean sqrt(p(1-p)) over the SDPO-trained samples; None unless loss.pass_rate_weight
+
+
+def mini_batch_denominators(cfg: RunConfig, columns: dict[str, Any], rows: list[int]) -> Normalisers:
+    """The loss normalisers of a whole mini-batch. Only the response lengths, sample masks, routes,
+    pass rates and teacher entropies are read (what `make_batch` would build)."""
     import torch
 
-    from sdpo_core.losses import loss_denominator
+    from sdpo_core.reductions import loss_denominator
+    from sdpo_core.weights import entropy_weights, question_weights, weight_norm
 
     lengths = torch.tensor([len(columns["response_ids"][i]) for i in rows])
     response_mask = torch.arange(max(1, int(lengths.max()))) < lengths[:, None]  # [B, T]
     sample_mask = torch.as_tensor(np.asarray([bool(columns["sample_mask"][i]) for i in rows]))
+    route_sdpo = torch.as_tensor(np.asarray([columns["route"][i] == "sdpo" for i in rows], dtype=bool))
     kw = {"reduction": cfg.loss.mask_reduction, "aggregation": cfg.loss.aggregation}
     sdpo = loss_denominator(response_mask, sample_mask, **kw)
     grpo = loss_denominator(response_mask, torch.ones_like(sample_mask), **kw)
-    return sdpo, grpo
+    trained = route_sdpo if cfg.loss.type == "srpo" else sample_mask  # the samples the SDPO term trains
+    entropy_weight = question_weight = None
+    if cfg.loss.type == "srpo":
+        entropy = np.concatenate([np.asarray(columns["teacher_entropy"][i], dtype=np.float64) for i in rows])
+        tokens = torch.from_numpy(np.repeat(trained.numpy(), lengths.numpy()))  # [N] tokens of routed samples
+        weights = entropy_weights(torch.from_numpy(entropy), beta=cfg.loss.srpo.beta)
+        entropy_weight = weight_norm(weights, tokens)
+    if cfg.loss.pass_rate_weight:
+        rates = torch.as_tensor(np.asarray([columns["pass_rate"][i] for i in rows], dtype=np.float64))
+        question_weight = weight_norm(question_weights(rates), trained)
+    return Normalisers(sdpo=sdpo, grpo=grpo, entropy_weight=entropy_weight, question_weight=question_weight)
 
 
 def minibatch_rows(n_rows: int, *, steps: int, seed: int, iteration: int) -> list[list[int]]:

@@ -1,7 +1,8 @@
 """Teacher scoring with a Megatron forward pass: the trainer's model provider, packed, tensor parallel.
 
 The same scores as `tasks.engines.scorer.score_teacher` (log-probs of each response token at the
-student's top-K ids and at the sampled id, `TeacherScores` in input order), computed with the
+student's top-K ids and at the sampled id, and the entropy of each next-token distribution over the
+full vocabulary, `TeacherScores` in input order), computed with the
 Megatron `GPTModel` the trainer builds (`tasks.megatron.model.build_gpt_model`) instead of the HF
 model. This is the backend `teacher.backend = "megatron"` selects; on a GPU it runs bf16 with the
 SDPA core attention.
@@ -10,7 +11,9 @@ How:
 - Sequences are packed end to end (`tasks.megatron.packing`) into rows of at most `batch_tokens`
   tokens; attention stays inside each sequence, so no padding is computed.
 - Under tensor parallelism the logits stay vocab-sharded (`parallel_output=True`); the
-  logsumexp and the gather of the K+1 ids are vocab-parallel (`tasks.megatron.vocab_parallel`).
+  logsumexp, the gather of the K+1 ids and the entropy are vocab-parallel
+  (`tasks.megatron.vocab_parallel`): the entropy is exact over the whole vocabulary, its shards
+  combined by one max and one sum across the ranks.
   Every rank of the tensor-parallel group must call `score` with the same sequences, and all
   get the same scores. Split work across data-parallel ranks before calling.
 - Only response positions are scored, `logit_chunk_tokens` rows at a time, so the float32 work
@@ -100,12 +103,12 @@ class MegatronTeacherScorer:
         pad_to_multiple: int = 8,
     ) -> list[TeacherScores]:
         """Log-probs of each (prompt_ids, response_ids) pair's response at `topk_ids[i]` [T_i, K] and
-        at the sampled ids; see `tasks.engines.scorer.score_teacher` for the contract."""
+        at the sampled ids, and the entropies; see `tasks.engines.scorer.score_teacher` for the contract."""
         from megatron.core import parallel_state
 
         from sdpo_core.teacher_update import trust_region_logits
         from tasks.megatron.packing import pack_sequences, plan_packs
-        from tasks.megatron.vocab_parallel import vocab_parallel_token_logprobs
+        from tasks.megatron.vocab_parallel import vocab_parallel_token_entropy, vocab_parallel_token_logprobs
 
         if (self.reference is None) != (trust_region_rate is None):
             raise ValueError(
@@ -137,7 +140,7 @@ class MegatronTeacherScorer:
             ]
             ids = torch.from_numpy(np.concatenate(per_sample)).to(self.device)  # [N, K+1]
             rows = packed.response_rows.to(self.device)  # [N]
-            parts = []
+            parts, entropy_parts = [], []
             for c0 in range(0, rows.shape[0], logit_chunk_tokens):
                 r = rows[c0 : c0 + logit_chunk_tokens]
                 chunk = logits.index_select(0, r)  # [C, V/tp]
@@ -155,13 +158,20 @@ class MegatronTeacherScorer:
                         chunk_tokens=logit_chunk_tokens,
                     )
                 )
+                entropy_parts.append(
+                    vocab_parallel_token_entropy(
+                        chunk, local_rows, group=group, vocab_size=self.vocab_size, chunk_tokens=logit_chunk_tokens
+                    )
+                )
             scored = (torch.cat(parts) if parts else torch.zeros((0, k + 1))).float().cpu().numpy()  # [N, K+1]
+            entropy = (torch.cat(entropy_parts) if entropy_parts else torch.zeros(0)).float().cpu().numpy()  # [N]
             bounds = np.cumsum([0] + [len(sequences[i][1]) for i in pack])
             for j, i in enumerate(pack):
                 mine = scored[bounds[j] : bounds[j + 1]]
                 results[i] = TeacherScores(
                     topk_logprobs=np.ascontiguousarray(mine[:, :k], dtype=np.float32),
                     sampled_logprobs=np.ascontiguousarray(mine[:, k], dtype=np.float32),
+                    entropy=np.ascontiguousarray(entropy[bounds[j] : bounds[j + 1]], dtype=np.float32),
                 )
         return results  # type: ignore[return-value]
 

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from tasks.config import RunConfig
-from tasks.megatron.batches import Batch, micro_batches, mini_batch_denominators, minibatch_rows
+from tasks.megatron.batches import Batch, Normalisers, micro_batches, mini_batch_denominators, minibatch_rows
 
 # the key prefix under which a micro-batch's metric counts travel through Megatron's schedule
 _COUNT = "count/"
@@ -115,7 +115,7 @@ class MegatronTrainer:
     # -- one iteration -------------------------------------------------------------------------
 
     def _loss_func(
-        self, batch: Batch, denominators: tuple[Any, Any], scale: float, logits: Any
+        self, batch: Batch, denominators: Normalisers, scale: float, logits: Any
     ) -> tuple[Any, dict[str, Any]]:
         import torch
 
@@ -133,8 +133,13 @@ class MegatronTrainer:
                 advantages=batch.advantages,
                 response_mask=batch.response_mask,
                 sample_mask=batch.sample_mask,
-                sdpo_denominator=denominators[0],
-                grpo_denominator=denominators[1],
+                route_sdpo=batch.route_sdpo,
+                teacher_entropy=batch.teacher_entropy,
+                pass_rate=batch.pass_rate,
+                sdpo_denominator=denominators.sdpo,
+                grpo_denominator=denominators.grpo,
+                entropy_weight_norm=denominators.entropy_weight,
+                question_weight_norm=denominators.question_weight,
             ),
             loss_type=cfg.loss.type,
             divergence="topk_tail" if cfg.loss.divergence == "full" else cfg.loss.divergence,
@@ -145,6 +150,8 @@ class MegatronTrainer:
             aggregation=cfg.loss.aggregation,
             clip_low=cfg.loss.clip_low,
             clip_high=cfg.loss.clip_high,
+            srpo_beta=cfg.loss.srpo.beta,
+            pass_rate_weight=cfg.loss.pass_rate_weight,
         )
         metrics = {name: torch.tensor(float(value)) for name, value in out.metrics.items()}
         metrics.update({_COUNT + name: torch.tensor(float(n)) for name, n in out.metric_counts.items()})
@@ -203,7 +210,7 @@ class MegatronTrainer:
         step_metrics: list[dict[str, float]] = []
         plan = minibatch_rows(n_rows, steps=cfg.train.steps_per_iteration, seed=cfg.seed, iteration=iteration)
 
-        def host_inputs(rows: list[int]) -> tuple[list[Batch], tuple[Any, Any]]:
+        def host_inputs(rows: list[int]) -> tuple[list[Batch], Normalisers]:
             # Every micro-batch divides by the whole mini-batch's normaliser, so the summed
             # gradient equals that of the mini-batch loss.
             return micro_batches(cfg, columns, rows[dp_rank::dp_size]), mini_batch_denominators(cfg, columns, rows)

@@ -15,9 +15,14 @@ from __future__ import annotations
 import torch.distributed as dist
 from torch import Tensor
 
-from sdpo_core.chunked import chunked_token_logprobs
+from sdpo_core.chunked import chunked_token_entropy, chunked_token_logprobs
 
-__all__ = ["GroupReducer", "vocab_parallel_token_logprobs", "tensor_parallel_token_logprobs"]
+__all__ = [
+    "GroupReducer",
+    "tensor_parallel_token_logprobs",
+    "vocab_parallel_token_entropy",
+    "vocab_parallel_token_logprobs",
+]
 
 
 class GroupReducer:
@@ -74,6 +79,34 @@ def vocab_parallel_token_logprobs(
         chunk_vocab=chunk_vocab,
         reducer=GroupReducer(group),
         compile=compile,
+    )
+
+
+def vocab_parallel_token_entropy(
+    local_logits: Tensor,
+    rows: Tensor,
+    *,
+    group: dist.ProcessGroup,
+    vocab_size: int,
+    chunk_tokens: int = 1024,
+    chunk_vocab: int | None = None,
+) -> Tensor:
+    """Entropy of softmax(full logits[rows]) over the whole (unpadded) vocabulary from this rank's
+    shard: [M, V_local] -> [N], forward only. Every rank of `group` must call with the same `rows`;
+    all get the same result (one all-reduce of [N] maxima and one of [2, N] sums)."""
+    world = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    local = local_logits.shape[-1]
+    if world > 1 and local * world < vocab_size:
+        raise ValueError(f"{world} shards of {local} columns cannot hold vocab_size={vocab_size}")
+    return chunked_token_entropy(
+        local_logits,
+        rows,
+        vocab_size=vocab_size,
+        vocab_start=rank * local if world > 1 else 0,
+        chunk_tokens=chunk_tokens,
+        chunk_vocab=chunk_vocab,
+        reducer=GroupReducer(group) if world > 1 else None,
     )
 
 

@@ -8,6 +8,12 @@ for 20k samples as for 20. Everything is read through `storage/`.
 Divergence of a sample: the mean over its response tokens of `sampled_logprobs -
 teacher_sampled_logprobs`, the sampled-token estimate of KL(student || teacher); its negation per
 token is the credit the page colours (see `tasks.viewer.render`).
+
+Route (SRPO runs): the branch of the loss the teacher stage sent the sample to, "sdpo" or "grpo".
+The entropy weight of one of its SDPO tokens is exp(-beta * H) over the iteration's mean of
+exp(-beta * H) on all SDPO tokens, H the teacher's entropy: the weight the trainer applied when one
+optimizer step took the whole iteration (with more steps, each step normalises over its own
+mini-batch, so the trained weights differ from these by one factor per step).
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ logger = logging.getLogger(__name__)
 
 SortKey = Literal["sample_id", "reward", "length", "divergence"]
 MaskFilter = Literal["all", "trained", "masked"]
+RouteFilter = Literal["all", "sdpo", "grpo"]
 SORT_KEYS: tuple[str, ...] = ("sample_id", "reward", "length", "divergence")
 MAX_PAGE = 500
 PREVIEW_CHARS = 160
@@ -47,7 +54,8 @@ _ROLLOUT_INDEX = (
     "prompt_messages",
     "sampled_logprobs",
 )
-_TEACHER_INDEX = ("teacher_sampled_logprobs", "sample_mask", "teacher_source")
+_TEACHER_INDEX = ("teacher_sampled_logprobs", "sample_mask", "teacher_source", "route")
+_SRPO_INDEX = ("teacher_entropy",)  # for the entropy weights' norm, read for SRPO runs only
 
 
 class NotFoundError(LookupError):
@@ -74,6 +82,8 @@ class IterationIndex:
     data_source: np.ndarray
     finish_reason: np.ndarray
     teacher_source: np.ndarray | None
+    route: np.ndarray | None  # "sdpo" / "grpo" per sample (SRPO), None entries when the loss does not route
+    entropy_weight_norm: float | None  # SRPO: the iteration's mean exp(-beta H) over its SDPO tokens
     preview: list[str]
     search_text: list[str]  # lower-cased prompt, response, label and feedback
     shard: np.ndarray
@@ -113,15 +123,22 @@ def _per_row_mean(values: np.ndarray, lengths: np.ndarray) -> np.ndarray:
         return np.where(lengths > 0, sums / lengths, np.nan)
 
 
-def build_index(table: pa.Table, *, iteration: int, stage: str) -> IterationIndex:
+def build_index(table: pa.Table, *, iteration: int, stage: str, srpo_beta: float | None) -> IterationIndex:
     """The index of one stage's rows (`read_index` output with the `_ROLLOUT_INDEX` columns and, for
-    a teacher stage, the `_TEACHER_INDEX` ones)."""
+    a teacher stage, the `_TEACHER_INDEX` ones, and `_SRPO_INDEX` with `srpo_beta`, the run's SRPO
+    beta: None for other losses), for the entropy weights' norm."""
     from storage.lookup import ROW_COLUMN, SHARD_COLUMN
 
     lengths = pc.list_value_length(table.column("sampled_logprobs")).to_numpy(zero_copy_only=False).astype(np.int64)
     scored = stage == "teacher"
+    route, norm = None, None
     if scored:
         divergence = _per_row_mean(_flat(table, "sampled_logprobs") - _flat(table, "teacher_sampled_logprobs"), lengths)
+        route = _strings(table, "route")
+        if srpo_beta is not None:
+            sdpo_tokens = np.repeat(route == "sdpo", lengths)
+            weights = np.exp(-srpo_beta * _flat(table, "teacher_entropy")[sdpo_tokens])
+            norm = float(weights.mean()) if weights.size else None
     else:
         divergence = np.full(lengths.size, np.nan)
     responses = table.column("response_text").to_pylist()
@@ -145,6 +162,8 @@ def build_index(table: pa.Table, *, iteration: int, stage: str) -> IterationInde
         data_source=_strings(table, "data_source"),
         finish_reason=_strings(table, "finish_reason"),
         teacher_source=_strings(table, "teacher_source") if scored else None,
+        route=route,
+        entropy_weight_norm=norm,
         preview=[r[:PREVIEW_CHARS] for r in responses],
         search_text=search,
         shard=table.column(SHARD_COLUMN).to_numpy(),
@@ -162,6 +181,7 @@ class Query:
     reward_min: float | None = None
     reward_max: float | None = None
     mask: MaskFilter = "all"
+    route: RouteFilter = "all"
     data_source: str | None = None
     finish_reason: str | None = None
     search: str | None = None
@@ -173,6 +193,8 @@ class Query:
             raise BadQueryError(f"sort must be one of {SORT_KEYS}, got {self.sort!r}")
         if self.mask not in ("all", "trained", "masked"):
             raise BadQueryError(f"mask must be 'all', 'trained' or 'masked', got {self.mask!r}")
+        if self.route not in ("all", "sdpo", "grpo"):
+            raise BadQueryError(f"route must be 'all', 'sdpo' or 'grpo', got {self.route!r}")
         if self.offset < 0 or not 1 <= self.limit <= MAX_PAGE:
             raise BadQueryError(
                 f"need offset >= 0 and 1 <= limit <= {MAX_PAGE}, got offset={self.offset}, limit={self.limit}"
@@ -190,6 +212,10 @@ def select(index: IterationIndex, query: Query) -> np.ndarray:
         if index.mask is None:
             raise BadQueryError(f"iteration {index.iteration} is not scored by the teacher yet: it has no sample mask")
         keep &= index.mask if query.mask == "trained" else ~index.mask
+    if query.route != "all":
+        if index.route is None:
+            raise BadQueryError(f"iteration {index.iteration} is not scored by the teacher yet: it has no routes")
+        keep &= index.route == query.route
     if query.data_source is not None:
         keep &= index.data_source == query.data_source
     if query.finish_reason is not None:
@@ -226,6 +252,7 @@ def list_row(index: IterationIndex, i: int) -> dict[str, Any]:
         "data_source": index.data_source[i],
         "finish_reason": index.finish_reason[i],
         "teacher_source": None if index.teacher_source is None else index.teacher_source[i],
+        "route": None if index.route is None else index.route[i],
         "preview": index.preview[i],
     }
 
@@ -246,6 +273,13 @@ def _fraction(values: np.ndarray) -> float | None:
     return _number(float(np.mean(values))) if values.size else None
 
 
+def _routed_fraction(index: IterationIndex) -> float | None:
+    """The share of samples routed to SDPO; None before the teacher stage or when nothing is routed."""
+    if index.route is None or all(r is None for r in index.route):
+        return None
+    return _fraction(index.route == "sdpo")
+
+
 def summary(index: IterationIndex) -> dict[str, Any]:
     """Per-iteration aggregates shown above the list, and the filter choices."""
     sources, source_counts = np.unique(index.data_source.astype(str), return_counts=True)
@@ -262,6 +296,7 @@ def summary(index: IterationIndex) -> dict[str, Any]:
         "truncated_fraction": _fraction(index.finish_reason == "length"),
         "response_length_mean": _fraction(index.length),
         "trained_fraction": None if index.mask is None else _fraction(index.mask.astype(bool)),
+        "routed_sdpo_fraction": _routed_fraction(index),
         "divergence_mean": _fraction(scored),
         "data_sources": dict(zip(sources.tolist(), source_counts.tolist(), strict=True)),
         "finish_reasons": dict(zip(reasons.tolist(), reason_counts.tolist(), strict=True)),
@@ -314,9 +349,13 @@ class RunData:
             if cached is not None and cached.stage == stage:
                 self._indexes.move_to_end(n)
                 return cached
-            columns = _ROLLOUT_INDEX + (_TEACHER_INDEX if stage == "teacher" else ())
-            table = read_index(self.layout, n, stage, columns=columns, verify=self.run.cfg.storage.verify_sha256)
-            index = build_index(table, iteration=n, stage=stage)
+            cfg = self.run.cfg
+            beta = cfg.loss.srpo.beta if cfg.loss.type == "srpo" else None
+            columns: tuple[str, ...] = _ROLLOUT_INDEX
+            if stage == "teacher":
+                columns += _TEACHER_INDEX + (_SRPO_INDEX if beta is not None else ())
+            table = read_index(self.layout, n, stage, columns=columns, verify=cfg.storage.verify_sha256)
+            index = build_index(table, iteration=n, stage=stage, srpo_beta=beta)
             self._indexes[n] = index
             while len(self._indexes) > _CACHED_ITERATIONS:
                 self._indexes.popitem(last=False)

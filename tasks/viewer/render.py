@@ -7,6 +7,10 @@ Credit: a response token's teacher-minus-student log-probability of the sampled 
 `teacher_sampled_logprobs - sampled_logprobs` (SDPO's per-token advantage, in nats). Positive
 credit (the teacher, shown the demonstration or feedback, likes the token more) is green, negative
 red, zero white; the colour saturates at |credit| = CREDIT_SCALE.
+
+Entropy weight (SRPO): a token's weight in the SDPO loss, exp(-beta * H) normalised to mean 1 over
+the SDPO tokens (`tasks.viewer.data`). White at 0, blue deepening with the weight, saturated at
+WEIGHT_SCALE: tokens where the teacher is confident are dark, tokens where it hesitates pale.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ from typing import Literal
 
 RegionKind = Literal["think", "tool_call", "code"]
 CREDIT_SCALE = 2.0
+WEIGHT_SCALE = 2.0
+_WEIGHT = (40, 90, 200)
 _POSITIVE = (34, 160, 70)
 _NEGATIVE = (214, 50, 50)
 _OPENERS = re.compile(r"<think>|<tool_call>|```")
@@ -69,9 +75,17 @@ def token_regions(token_texts: Sequence[str]) -> list[RegionKind | None]:
     return kinds
 
 
+def _blend(target: tuple[int, int, int], amount: float) -> str:
+    """ "#rrggbb" a share `amount` in [0, 1] of the way from white to `target`."""
+    channels = (round(255 + (c - 255) * amount) for c in target)
+    return "#" + "".join(f"{c:02x}" for c in channels)
+
+
 def credit_colour(credit: float) -> str:
     """The background colour "#rrggbb" of a token with this credit."""
-    weight = min(abs(credit) / CREDIT_SCALE, 1.0)
-    target = _POSITIVE if credit > 0 else _NEGATIVE
-    channels = (round(255 + (c - 255) * weight) for c in target)
-    return "#" + "".join(f"{c:02x}" for c in channels)
+    return _blend(_POSITIVE if credit > 0 else _NEGATIVE, min(abs(credit) / CREDIT_SCALE, 1.0))
+
+
+def weight_colour(weight: float) -> str:
+    """The background colour "#rrggbb" of a token with this entropy weight (>= 0)."""
+    return _blend(_WEIGHT, min(max(weight, 0.0) / WEIGHT_SCALE, 1.0))

@@ -1,8 +1,9 @@
 """One sample and one group as the viewer shows them, decoded with the policy's own tokenizer.
 
 The prompt is the decoded `prompt_ids` (the chat template as the policy saw it); the response is
-shown token by token with its credit and the student's and teacher's probabilities of the
-student's top-K ids. The demonstration a sample's teacher saw is not a shard column; it is derived
+shown token by token with its credit, the student's and teacher's probabilities of the student's
+top-K ids, the teacher's entropy and, for samples SRPO routed to SDPO, the entropy weight
+(`tasks.viewer.data` says how it is normalised). The demonstration a sample's teacher saw is not a shard column; it is derived
 with the run's feedback policy (`FeedbackPolicy.demonstrations`, the function the teacher stage's
 `prepare_group` uses), on the group in shard order, as the teacher stage grouped it.
 """
@@ -16,7 +17,7 @@ import numpy as np
 import pyarrow as pa
 
 from tasks.viewer.data import IterationIndex, RunData, list_row
-from tasks.viewer.render import credit_colour, segments, token_regions
+from tasks.viewer.render import credit_colour, segments, token_regions, weight_colour
 
 logger = logging.getLogger(__name__)
 
@@ -49,19 +50,27 @@ def _round(values: np.ndarray, digits: int = 4) -> list[float | None]:
     return [None if not np.isfinite(v) else round(float(v), digits) for v in values]
 
 
+def _weight_colour(weights: list[float | None] | None, t: int) -> str | None:
+    value = None if weights is None else weights[t]
+    return None if value is None else weight_colour(value)
+
+
 def _token_texts(tokenizer: Any, ids: np.ndarray) -> dict[int, str]:
     unique = sorted(set(np.asarray(ids).ravel().tolist()))
     texts = tokenizer.batch_decode([[i] for i in unique], skip_special_tokens=False)
     return dict(zip(unique, texts, strict=True))
 
 
-def response_tokens(tokenizer: Any, row: dict[str, Any]) -> list[dict[str, Any]]:
-    """Per response token: text, region, credit and colour, and its top-K alternatives.
+def response_tokens(tokenizer: Any, row: dict[str, Any], *, weights: np.ndarray | None) -> list[dict[str, Any]]:
+    """Per response token: text, region, credit and colour, the teacher's entropy and the entropy
+    weight, and its top-K alternatives.
 
     Keys: `text`, `region`, `credit` (teacher - student log-prob of the sampled token, None before the
-    teacher stage), `colour`, `student`, `teacher` (log-probs of the sampled token), `alternatives`:
-    [{"text", "student", "teacher"}] probabilities of the student's top-K ids in the student's order;
-    when K > HOVER_TOP, the HOVER_TOP ids that either model finds likeliest.
+    teacher stage), `colour`, `student`, `teacher` (log-probs of the sampled token), `entropy` (the
+    teacher's next-token entropy in nats, None before the teacher stage), `weight` (`weights[t]`,
+    the SRPO entropy weight; None where `weights` is None), `alternatives`: [{"text", "student",
+    "teacher"}] probabilities of the student's top-K ids in the student's order; when K >
+    HOVER_TOP, the HOVER_TOP ids that either model finds likeliest.
     """
     ids = np.asarray(row["response_ids"])
     n = len(ids)
@@ -78,6 +87,8 @@ def response_tokens(tokenizer: Any, row: dict[str, Any]) -> list[dict[str, Any]]
         teacher_alt = np.round(np.take_along_axis(teacher_p, shown, axis=1), 4).tolist()
         gap = np.asarray(row["teacher_sampled_logprobs"], dtype=np.float64) - np.asarray(row["sampled_logprobs"])
         teacher, credit = _round(np.asarray(row["teacher_sampled_logprobs"], dtype=np.float64)), _round(gap)
+        entropy = _round(np.asarray(row["teacher_entropy"], dtype=np.float64))
+    entropy_weight = None if weights is None else _round(np.asarray(weights, dtype=np.float64))
     texts = _token_texts(tokenizer, np.concatenate([ids, k.ravel()]))
     pieces = [texts[int(i)] for i in ids]
     regions = token_regions(pieces)
@@ -91,6 +102,9 @@ def response_tokens(tokenizer: Any, row: dict[str, Any]) -> list[dict[str, Any]]
                 "colour": credit_colour(credit[t]) if scored and credit[t] is not None else None,
                 "student": student[t],
                 "teacher": teacher[t] if scored else None,
+                "entropy": entropy[t] if scored else None,
+                "weight": None if entropy_weight is None else entropy_weight[t],
+                "weight_colour": _weight_colour(entropy_weight, t),
                 "alternatives": [
                     {
                         "text": texts[int(a)],
@@ -160,6 +174,37 @@ def mask_reason(data: RunData, index: IterationIndex, i: int, *, demo: int | Non
     return f"masked by the feedback policy {cfg.teacher.feedback!r} (teacher source {source!r}, demo {demo})"
 
 
+def route_reason(data: RunData, index: IterationIndex, i: int) -> str | None:
+    """Why SRPO sent sample `i` where it did, in words; None when the run does not route."""
+    from tasks.teacher import feedback_policy, success_threshold
+
+    cfg = data.run.cfg
+    if not index.scored or cfg.loss.type != "srpo":
+        return None
+    threshold = success_threshold(feedback_policy(cfg))
+    reward, route = float(index.reward[i]), str(index.route[i])
+    taught = "a successful sibling's answer" if cfg.loss.srpo.route == "failed_with_solution" else "any teacher context"
+    if route == "sdpo":
+        return f"SDPO: it failed (reward {reward:g} < {threshold:g}) and its teacher saw {taught}"
+    if reward >= threshold:
+        return f"GRPO: it succeeded (reward {reward:g} >= {threshold:g})"
+    return f"GRPO: it failed (reward {reward:g} < {threshold:g}) but its teacher did not see {taught}"
+
+
+def entropy_weights(data: RunData, index: IterationIndex, i: int, entropy: Any) -> np.ndarray | None:
+    """Sample `i`'s SRPO entropy weights per token, exp(-beta H) over the iteration's norm; None
+    unless the run is SRPO and the sample went to SDPO."""
+    cfg = data.run.cfg
+    if cfg.loss.type != "srpo" or index.route is None or index.route[i] != "sdpo":
+        return None
+    if index.entropy_weight_norm is None:
+        raise RuntimeError(
+            f"iteration {index.iteration} routes sample {int(index.sample_id[i])} to SDPO but has no norm"
+        )
+    raw: np.ndarray = np.exp(-cfg.loss.srpo.beta * np.asarray(entropy, dtype=np.float64))
+    return raw / index.entropy_weight_norm
+
+
 def _row_dict(table: pa.Table) -> dict[str, Any]:
     from storage.shard_columns import ragged, topk
 
@@ -190,7 +235,9 @@ def sample_detail(data: RunData, n: int, sample_id: int) -> dict[str, Any]:
         "prompt_id": row["prompt_id"],
         "prompt": segments(prompt_text),
         "response": segments(row["response_text"]),
-        "tokens": response_tokens(tokenizer, row),
+        "tokens": response_tokens(
+            tokenizer, row, weights=entropy_weights(data, index, i, row["teacher_entropy"]) if index.scored else None
+        ),
         "label": row["label"],
         "feedback": row["feedback"],
         "format_error": bool(row["format_error"]),
@@ -198,6 +245,8 @@ def sample_detail(data: RunData, n: int, sample_id: int) -> dict[str, Any]:
         "teacher_prompt": None if teacher_text is None else segments(teacher_text),
         "demonstration": demo,
         "mask_reason": mask_reason(data, index, i, demo=demo, feedback=row["feedback"]),
+        "route_reason": route_reason(data, index, i),
+        "pass_rate": None if row.get("pass_rate") is None else round(float(row["pass_rate"]), 6),
     }
 
 

@@ -2,7 +2,7 @@
 and one sample with its per-token credit colouring, teacher context and group.
 
 Keys: r / l / d / i sort by reward, length, divergence, sample id (again: reverse); m cycles the
-mask filter; / focuses the search box; n / p next and previous page; [ / ] previous and next
+mask filter, o the route filter (SRPO runs); / focuses the search box; n / p next and previous page; [ / ] previous and next
 iteration; enter opens the highlighted sample; g shows its group; q quits.
 """
 
@@ -16,12 +16,13 @@ from textual.binding import Binding
 from textual.containers import Horizontal, VerticalScroll
 from textual.widgets import DataTable, Footer, Header, Input, Static
 
-from tasks.viewer.data import MaskFilter, Query, RunData, SortKey, page, summary
+from tasks.viewer.data import MaskFilter, Query, RouteFilter, RunData, SortKey, page, summary
 from tasks.viewer.render import RegionKind
 
 PAGE = 100
 _REGION_STYLES: dict[RegionKind, str] = {"think": "italic magenta", "tool_call": "blue", "code": "bold"}
 _MASKS: tuple[MaskFilter, ...] = ("all", "trained", "masked")
+_ROUTES: tuple[RouteFilter, ...] = ("all", "sdpo", "grpo")
 
 
 def _fmt(value: float | None, digits: int = 3) -> str:
@@ -36,11 +37,12 @@ def segments_text(parts: list[dict[str, Any]]) -> Text:
     return text
 
 
-def credit_text(tokens: list[dict[str, Any]]) -> Text:
-    """The response, each token on the background colour of its credit."""
+def credit_text(tokens: list[dict[str, Any]], *, key: str = "colour") -> Text:
+    """The response, each token on the background colour of its credit (`key="weight_colour"`: of
+    its entropy weight)."""
     text = Text()
     for token in tokens:
-        style = f"black on {token['colour']}" if token["colour"] else ""
+        style = f"black on {token[key]}" if token[key] else ""
         if token["region"]:
             style = f"{style} {_REGION_STYLES[token['region']]}".strip()
         text.append(token["text"], style=style)
@@ -62,6 +64,7 @@ class ViewerApp(App):
         Binding("d", "sort('divergence')", "divergence"),
         Binding("i", "sort('sample_id')", "id"),
         Binding("m", "cycle_mask", "mask filter"),
+        Binding("o", "cycle_route", "route filter"),
         Binding("slash", "focus_search", "search"),
         Binding("n", "page(1)", "next page"),
         Binding("p", "page(-1)", "previous page"),
@@ -79,6 +82,7 @@ class ViewerApp(App):
         self.sort: SortKey = "sample_id"
         self.descending = False
         self.mask: MaskFilter = "all"
+        self.route: RouteFilter = "all"
         self.search = ""
         self.offset = 0
         self.total = 0
@@ -95,7 +99,7 @@ class ViewerApp(App):
 
     def on_mount(self) -> None:
         table = self.query_one("#samples", DataTable)
-        table.add_columns("id", "group", "reward", "length", "divergence", "mask", "response")
+        table.add_columns("id", "group", "reward", "length", "divergence", "mask", "route", "response")
         self.reload()
         table.focus()
 
@@ -113,6 +117,7 @@ class ViewerApp(App):
                 sort=self.sort,
                 descending=self.descending,
                 mask=self.mask,
+                route=self.route,
                 search=self.search or None,
                 offset=self.offset,
                 limit=PAGE,
@@ -128,6 +133,7 @@ class ViewerApp(App):
                 str(row["length"]),
                 _fmt(row["divergence"]),
                 mask,
+                (row["route"] or "–").upper(),
                 row["preview"][:60].replace("\n", " "),
                 key=str(row["sample_id"]),
             )
@@ -136,7 +142,7 @@ class ViewerApp(App):
         shown = f"{self.offset + 1 if self.total else 0}-{min(self.offset + PAGE, self.total)} of {self.total}"
         self.sub_title = (
             f"{self.data.layout.run_name} · iteration {self.iteration} ({s['stage']}) · {shown} · "
-            f"sort {self.sort} {order} · mask {self.mask} · reward {_fmt(s['reward_mean'])}"
+            f"sort {self.sort} {order} · mask {self.mask} · route {self.route} · reward {_fmt(s['reward_mean'])}"
         )
 
     def action_sort(self, key: SortKey) -> None:
@@ -146,6 +152,11 @@ class ViewerApp(App):
 
     def action_cycle_mask(self) -> None:
         self.mask = _MASKS[(_MASKS.index(self.mask) + 1) % len(_MASKS)]
+        self.offset = 0
+        self.reload()
+
+    def action_cycle_route(self) -> None:
+        self.route = _ROUTES[(_ROUTES.index(self.route) + 1) % len(_ROUTES)]
         self.offset = 0
         self.reload()
 
@@ -192,6 +203,13 @@ class ViewerApp(App):
             "\n\nResponse: per-token credit (teacher − student log-prob; green +, red −)\n", style="bold underline"
         )
         body.append_text(credit_text(s["tokens"]))
+        if s["route_reason"] is not None:
+            body.append(f"\n\nRoute: {s['route_reason']}\n", style="bold")
+        if any(t["weight"] is not None for t in s["tokens"]):
+            body.append(
+                "Entropy weights (blue: the teacher is confident, the token counts more)\n", style="bold underline"
+            )
+            body.append_text(credit_text(s["tokens"], key="weight_colour"))
         body.append("\n\nTeacher context\n", style="bold underline")
         demo = "none" if s["demonstration"] is None else f"sample {s['demonstration']}"
         body.append(f"source {s['teacher_source'] or '–'} · demonstration {demo}\n{s['mask_reason']}\n")

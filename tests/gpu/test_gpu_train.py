@@ -128,6 +128,7 @@ def score(tiny_hf_dir, inputs: Path, out: Path, *, nproc: int) -> list:
 def assert_scores_close(got, want, *, atol: float) -> None:
     diffs = [np.abs(g[0] - w[0]).max() for g, w in zip(got, want, strict=True)]
     diffs += [np.abs(g[1] - w[1]).max() for g, w in zip(got, want, strict=True)]
+    diffs += [np.abs(g[2] - w[2]).max() for g, w in zip(got, want, strict=True)]  # the teacher entropies
     assert max(diffs) < atol, max(diffs)
 
 
@@ -138,7 +139,7 @@ def one_gpu_scores(tiny_hf_dir, scoring_inputs, tmp_path_factory):
 
 def test_bf16_megatron_scorer_matches_the_float32_hf_scorer(tiny_hf_dir, scoring_inputs, one_gpu_scores):
     _, sequences, topk = scoring_inputs
-    want = [(s.topk_logprobs, s.sampled_logprobs) for s in hf_scores(tiny_hf_dir, sequences, topk)]
+    want = [(s.topk_logprobs, s.sampled_logprobs, s.entropy) for s in hf_scores(tiny_hf_dir, sequences, topk)]
     assert_scores_close(one_gpu_scores, want, atol=0.1)  # bf16 weights and activations against float32
 
 

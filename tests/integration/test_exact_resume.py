@@ -23,9 +23,19 @@ THREE = {**TINY, "iterations": 3, "eval": {"every": 2, "sampled_n": 2}}
         ("sdpo", "trust-region", {}),
         ("grpo", "static", {}),
         ("blend", "ema", {}),
+        ("srpo", "ema", {}),
         ("sdpo", "ema", {"megatron_checkpoint_every": 2}),  # resume replays iteration 1 from its shards
     ],
-    ids=["sdpo-ema", "sdpo-static", "sdpo-live", "sdpo-trust-region", "grpo", "blend-ema", "sdpo-ema-replay"],
+    ids=[
+        "sdpo-ema",
+        "sdpo-static",
+        "sdpo-live",
+        "sdpo-trust-region",
+        "grpo",
+        "blend-ema",
+        "srpo-ema",
+        "sdpo-ema-replay",
+    ],
 )
 def test_one_process_per_iteration_ends_bit_identical(tmp_path, prefect_server, loss, teacher, train):
     from flows.iteration import sdpo_advance

@@ -1,4 +1,5 @@
-"""The Megatron teacher scorer gives the embedded (HF) scorer's log-probs, also under tensor parallel 2."""
+"""The Megatron teacher scorer gives the embedded (HF) scorer's log-probs and entropies, also under tensor
+parallel 2."""
 
 from __future__ import annotations
 
@@ -67,6 +68,7 @@ def test_megatron_scores_equal_the_embedded_scorer(setup, rate):
         assert g.topk_logprobs.shape == w.topk_logprobs.shape and g.topk_logprobs.dtype == np.float32
         np.testing.assert_allclose(g.topk_logprobs, w.topk_logprobs, rtol=1e-4, atol=1e-4)
         np.testing.assert_allclose(g.sampled_logprobs, w.sampled_logprobs, rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(g.entropy, w.entropy, rtol=1e-4, atol=1e-4)
 
 
 def test_tensor_parallel_scores_equal_the_embedded_scorer(setup):
@@ -90,9 +92,10 @@ def test_tensor_parallel_scores_equal_the_embedded_scorer(setup):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     got = pickle.loads(out.read_bytes())
     want = embedded_scores(dirs, sequences, topk)
-    for (g_topk, g_tok), w in zip(got, want, strict=True):
+    for (g_topk, g_tok, g_entropy), w in zip(got, want, strict=True):
         np.testing.assert_allclose(g_topk, w.topk_logprobs, rtol=1e-4, atol=1e-4)
         np.testing.assert_allclose(g_tok, w.sampled_logprobs, rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(g_entropy, w.entropy, rtol=1e-4, atol=1e-4)  # over the whole vocabulary
 
 
 def test_mismatched_reference_arguments_are_refused(setup):

@@ -54,10 +54,14 @@ def test_scores_match_a_full_forward(model, cases):
     sequences, topk = cases
     scored = score_teacher(model, sequences=sequences, topk_ids=topk, batch_tokens=10_000)
     assert len(scored) == len(sequences)
-    for (prompt, response), ids, (topk_lp, sampled_lp) in zip(sequences, topk, scored, strict=True):
+    for (prompt, response), ids, (topk_lp, sampled_lp, entropy) in zip(sequences, topk, scored, strict=True):
         full = reference_logprobs(model, prompt, response)
         assert topk_lp.shape == (len(response), K) and topk_lp.dtype == np.float32
         assert sampled_lp.shape == (len(response),) and sampled_lp.dtype == np.float32
+        # the teacher's entropy over the whole vocabulary, not over the top-K ids
+        assert entropy.shape == (len(response),) and entropy.dtype == np.float32
+        full64 = full.double()
+        np.testing.assert_allclose(entropy, -(full64.exp() * full64).sum(-1).numpy(), atol=1e-5)
         np.testing.assert_allclose(topk_lp, full.gather(-1, torch.as_tensor(ids, dtype=torch.long)).numpy(), atol=1e-5)
         np.testing.assert_allclose(
             sampled_lp, full.gather(-1, torch.tensor(response)[:, None])[:, 0].numpy(), atol=1e-5
@@ -72,6 +76,7 @@ def test_batching_and_chunking_do_not_change_the_result(model, cases, batch_toke
     for a, b in zip(expected, got, strict=True):
         np.testing.assert_allclose(a.topk_logprobs, b.topk_logprobs, atol=1e-5)
         np.testing.assert_allclose(a.sampled_logprobs, b.sampled_logprobs, atol=1e-5)
+        np.testing.assert_allclose(a.entropy, b.entropy, atol=1e-5)
 
 
 def test_student_scores_match_the_engine(tmp_path, tokenizer, model):
@@ -93,7 +98,7 @@ def test_student_scores_match_the_engine(tmp_path, tokenizer, model):
     scored = score_teacher(
         model, sequences=[(p, g.response_ids) for p, g in gens], topk_ids=[g.topk_ids for _, g in gens], batch_tokens=64
     )
-    for (_, gen), (topk_lp, sampled_lp) in zip(gens, scored, strict=True):
+    for (_, gen), (topk_lp, sampled_lp, _) in zip(gens, scored, strict=True):
         np.testing.assert_allclose(topk_lp, gen.topk_logprobs, atol=1e-5)
         np.testing.assert_allclose(sampled_lp, gen.sampled_logprobs, atol=1e-5)
 
@@ -105,7 +110,7 @@ def test_trust_region_mixes_logits_of_reference_and_model(tokenizer, model, case
     scored = score_teacher(
         model, sequences=sequences, topk_ids=topk, batch_tokens=50, reference_model=reference, trust_region_rate=tau
     )
-    for (prompt, response), ids, (topk_lp, sampled_lp) in zip(sequences, topk, scored, strict=True):
+    for (prompt, response), ids, (topk_lp, sampled_lp, entropy) in zip(sequences, topk, scored, strict=True):
         with torch.no_grad():
             z = model(input_ids=torch.tensor([prompt + response])).logits[0]
             z_ref = reference(input_ids=torch.tensor([prompt + response])).logits[0]
@@ -116,6 +121,7 @@ def test_trust_region_mixes_logits_of_reference_and_model(tokenizer, model, case
         np.testing.assert_allclose(
             sampled_lp, mixed.gather(-1, torch.tensor(response)[:, None])[:, 0].numpy(), atol=1e-5
         )
+        np.testing.assert_allclose(entropy, -(mixed.exp() * mixed).sum(-1).numpy(), atol=1e-5)  # the mixed teacher's
 
 
 def test_trust_region_at_rate_one_is_the_model(tokenizer, model, cases):

@@ -14,7 +14,7 @@ from sdpo_core.teacher_context import strip_thinking
 from storage.shard_reader import read_stage_columns
 from tasks.viewer.app import create_app
 from tasks.viewer.data import RunData
-from tasks.viewer.render import credit_colour
+from tasks.viewer.render import credit_colour, weight_colour
 from tests.synthetic import write_synthetic_run
 
 ROWS, G = 24, 4
@@ -287,10 +287,63 @@ def test_the_hover_keeps_the_teachers_favourite_when_k_is_large(tmp_path):
         "sampled_logprobs": student[:, 0],
         "teacher_topk_logprobs": teacher,
         "teacher_sampled_logprobs": teacher[:, 0],
+        "teacher_entropy": np.array([0.1], dtype=np.float32),
     }
-    alternatives = response_tokens(tokenizer, row)[0]["alternatives"]
+    alternatives = response_tokens(tokenizer, row, weights=None)[0]["alternatives"]
     assert len(alternatives) == HOVER_TOP
     assert alternatives[-1]["teacher"] == pytest.approx(np.exp(-0.01), abs=1e-4)
     assert [a["student"] for a in alternatives[:-1]] == pytest.approx(
         np.exp(student[0, : HOVER_TOP - 1]).tolist(), abs=1e-4
     )
+
+
+# -- an SRPO run: each sample's route and the entropy weight of each SDPO token ------------------
+
+
+@pytest.fixture(scope="module")
+def srpo_run(tmp_path_factory) -> tuple[TestClient, dict]:
+    root = tmp_path_factory.mktemp("viewer-srpo")
+    write_synthetic_run(
+        str(root / "runs"), "srpo", local_dir=root, rows=ROWS, group_size=G, seed=2, overrides=("loss.type=srpo",)
+    )
+    data = RunData(str(root / "runs"), "srpo")
+    return TestClient(create_app(data)), read_stage_columns(data.layout, 1, "teacher")
+
+
+def test_the_list_shows_and_filters_each_samples_route(srpo_run, client):
+    srpo, shard = srpo_run
+    rows = get(srpo, "/api/iterations/1/samples", limit=100)["rows"]
+    routes = {int(i): r for i, r in zip(shard["sample_id"], shard["route"], strict=True)}
+    assert {r["sample_id"]: r["route"] for r in rows} == routes
+    assert {"sdpo", "grpo"} <= set(routes.values())
+    for route in ("sdpo", "grpo"):
+        kept = get(srpo, "/api/iterations/1/samples", route=route, limit=100)["rows"]
+        assert {r["sample_id"] for r in kept} == {i for i, r in routes.items() if r == route}
+    share = list(routes.values()).count("sdpo") / ROWS
+    assert get(srpo, "/api/iterations/1/summary")["routed_sdpo_fraction"] == pytest.approx(share)
+    # a run whose loss does not route: no route, no share
+    assert {r["route"] for r in get(client, "/api/iterations/1/samples", limit=100)["rows"]} == {None}
+    assert get(client, "/api/iterations/1/summary")["routed_sdpo_fraction"] is None
+    assert srpo.get("/api/iterations/1/samples", params={"route": "blend"}).status_code == 422
+
+
+def test_an_sdpo_routed_sample_shows_each_tokens_entropy_weight(srpo_run):
+    srpo, shard = srpo_run
+    lengths = [len(r) for r in shard["response_ids"]]
+    routed = np.repeat(np.asarray(shard["route"]) == "sdpo", lengths)
+    norm = float(np.exp(-np.concatenate(shard["teacher_entropy"]).astype(np.float64))[routed].mean())  # beta = 1
+    i = list(shard["route"]).index("sdpo")
+    s = get(srpo, f"/api/iterations/1/samples/{int(shard['sample_id'][i])}")
+    assert s["route"] == "sdpo" and s["route_reason"].startswith("SDPO: it failed")
+    entropy = shard["teacher_entropy"][i].astype(np.float64)
+    assert [t["entropy"] for t in s["tokens"]] == pytest.approx(entropy.tolist(), abs=1e-4)
+    weights = np.exp(-entropy) / norm
+    assert [t["weight"] for t in s["tokens"]] == pytest.approx(weights.tolist(), abs=1e-4)
+    assert [t["weight_colour"] for t in s["tokens"]] == [weight_colour(w) for w in [t["weight"] for t in s["tokens"]]]
+    assert s["pass_rate"] == pytest.approx(float(shard["pass_rate"][i]))
+
+    j = list(shard["route"]).index("grpo")
+    g = get(srpo, f"/api/iterations/1/samples/{int(shard['sample_id'][j])}")
+    assert g["route"] == "grpo" and g["route_reason"].startswith("GRPO: ")
+    assert {t["weight"] for t in g["tokens"]} == {None}  # the GRPO term has no entropy weights
+    assert all(t["entropy"] is not None for t in g["tokens"])

@@ -36,14 +36,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory) -> Iterator[str]:
+def _serve(root: Path, name: str) -> Iterator[str]:
     import uvicorn
 
-    root = tmp_path_factory.mktemp("browser")
-    write_synthetic_run(str(root / "runs"), "tiny", local_dir=root, rows=24, group_size=G, seed=0)
     port = _free_port()
-    app = create_app(RunData(str(root / "runs"), "tiny"))
+    app = create_app(RunData(str(root / "runs"), name))
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -54,6 +51,21 @@ def server(tmp_path_factory) -> Iterator[str]:
     yield f"http://127.0.0.1:{port}/"
     server.should_exit = True
     thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory) -> Iterator[str]:
+    root = tmp_path_factory.mktemp("browser")
+    write_synthetic_run(str(root / "runs"), "tiny", local_dir=root, rows=24, group_size=G, seed=0)
+    yield from _serve(root, "tiny")
+
+
+@pytest.fixture(scope="module")
+def srpo_server(tmp_path_factory) -> Iterator[str]:
+    root = tmp_path_factory.mktemp("browser-srpo")
+    overrides = ("loss.type=srpo",)
+    write_synthetic_run(str(root / "runs"), "srpo", local_dir=root, rows=24, group_size=G, seed=2, overrides=overrides)
+    yield from _serve(root, "srpo")
 
 
 @pytest.fixture(scope="module")
@@ -149,3 +161,41 @@ def test_sort_open_a_sample_and_see_credit_and_teacher_context(server, browser, 
     assert demos and all("demonstration" in m.text for m in demos)
     browser.save_screenshot(str(tmp_path / "group.png"))
     shutil.copy(tmp_path / "group.png", ARTIFACTS / "viewer-group.png")
+
+
+def test_an_srpo_run_shows_routes_and_colours_tokens_by_entropy_weight(srpo_server, browser, tmp_path):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    browser.get(srpo_server)
+    _wait(browser, lambda d: len(d.find_elements(By.CSS_SELECTOR, "tr.sample-row")) == 24, "the sample list")
+    routes = [td.text for td in browser.find_elements(By.CSS_SELECTOR, "tr.sample-row td.route")]
+    assert set(routes) == {"SDPO", "GRPO"}
+    assert "routed to SDPO" in browser.find_element(By.ID, "summary").text
+
+    Select(browser.find_element(By.ID, "route")).select_by_value("sdpo")
+    _wait(
+        browser,
+        lambda d: len(d.find_elements(By.CSS_SELECTOR, "tr.sample-row")) == routes.count("SDPO"),
+        "the list of samples routed to SDPO",
+    )
+    browser.find_element(By.CSS_SELECTOR, "tr.sample-row").click()
+    _wait(browser, lambda d: d.find_elements(By.ID, "colour"), "the colour choice of an SDPO-routed sample")
+    assert browser.find_element(By.ID, "route-reason").text.startswith("SDPO: it failed")
+    Select(browser.find_element(By.ID, "colour")).select_by_value("weight")
+    read = """
+        const view = document.getElementById('tokens');
+        if (!view || view.dataset.colour !== 'weight') return null;
+        return [...document.querySelectorAll('#tokens .tok')].map((t) =>
+            [Number(t.dataset.weight), getComputedStyle(t).backgroundColor]);
+    """
+    shown = _wait(browser, lambda d: d.execute_script(read), "the tokens coloured by entropy weight")
+    weights = [w for w, _ in shown]
+    blues = [[int(x) for x in colour[colour.index("(") + 1 : -1].split(",")[:3]] for _, colour in shown]
+    assert weights and all(w > 0 for w in weights)
+    # blue deepens with the weight: the red channel falls as the weight grows
+    heavy, light = weights.index(max(weights)), weights.index(min(weights))
+    assert blues[heavy][0] <= blues[light][0] and all(b[2] >= b[0] for b in blues)
+    browser.save_screenshot(str(tmp_path / "srpo.png"))
+    ARTIFACTS.mkdir(exist_ok=True)
+    shutil.copy(tmp_path / "srpo.png", ARTIFACTS / "viewer-srpo.png")

@@ -1,5 +1,6 @@
 """The terminal viewer driven headlessly by Textual's pilot: sorting, the mask filter, one sample
-with its per-token credit colours and teacher context, and the group view."""
+with its per-token credit colours and teacher context, the group view, and an SRPO run's routes and
+entropy weights."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import pytest
 
 from storage.shard_reader import read_stage_columns
 from tasks.viewer.data import RunData
-from tasks.viewer.render import credit_colour
+from tasks.viewer.render import credit_colour, weight_colour
+from tasks.viewer.samples import sample_detail
 from tasks.viewer.tui import ViewerApp
 from tests.synthetic import write_synthetic_run
 
@@ -94,5 +96,42 @@ def test_a_sample_shows_per_token_credit_colours_and_the_teacher_context(data, s
             group = app.query_one("#detail").visual.plain
             assert f"group {shard['group_id'][sample_id]}: 4 answers" in group
             assert "[demonstration]" in group
+
+    asyncio.run(drive())
+
+
+def test_an_srpo_run_shows_routes_their_filter_and_the_entropy_weights(tmp_path):
+    write_synthetic_run(
+        str(tmp_path / "runs"),
+        "srpo",
+        local_dir=tmp_path,
+        rows=ROWS,
+        group_size=4,
+        seed=2,
+        overrides=("loss.type=srpo",),
+    )
+    data = RunData(str(tmp_path / "runs"), "srpo")
+    shard = read_stage_columns(data.layout, 1, "teacher")
+    routes = [r.upper() for r in shard["route"]]
+
+    async def drive() -> None:
+        app = ViewerApp(data)
+        async with app.run_test(size=(160, 50)) as pilot:
+            assert _column(app, 6) == routes
+            await pilot.press("o")  # SDPO only
+            assert set(_column(app, 6)) == {"SDPO"} and len(_column(app, 6)) == routes.count("SDPO")
+            await pilot.press("enter")
+            await pilot.pause()
+            content = app.query_one("#detail").visual
+            assert "Route: SDPO: it failed" in content.plain and "Entropy weights" in content.plain
+            sample_id = int(_column(app, 0)[0])
+            shown = sample_detail(data, 1, sample_id)["tokens"]
+            backgrounds = [
+                _hex(span.style.background)
+                for span in content.spans
+                if getattr(span.style, "background", None) is not None
+            ]
+            weights = [weight_colour(t["weight"]) for t in shown]
+            assert backgrounds[-len(weights) :] == weights  # after the credit colours
 
     asyncio.run(drive())

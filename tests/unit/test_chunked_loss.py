@@ -1,13 +1,20 @@
-"""Chunked student log-probs equal the unchunked full-vocabulary log-softmax, values and gradients."""
+"""Chunked student log-probs equal the unchunked full-vocabulary log-softmax, values and gradients; the
+streamed teacher entropy equals the full-softmax entropy, sharded or not."""
 
 from __future__ import annotations
 
+import math
 import threading
 
 import pytest
 import torch
 
-from sdpo_core.chunked import chunked_token_logprobs, reference_token_logprobs
+from sdpo_core.chunked import (
+    chunked_token_entropy,
+    chunked_token_logprobs,
+    reference_token_entropy,
+    reference_token_logprobs,
+)
 from sdpo_core.divergence import topk_divergence
 
 M, V, K = 13, 37, 5
@@ -204,3 +211,64 @@ def test_no_rows_give_an_empty_result_and_a_zero_gradient(problem):
     assert out.shape == (0, K)
     out.sum().backward()
     assert leaf.grad.abs().max() == 0
+
+
+# -- the teacher's next-token entropy ---------------------------------------------------------
+
+
+def entropy_oracle(logits: torch.Tensor, rows: torch.Tensor, vocab: int) -> torch.Tensor:
+    """-sum_v p log p of the first `vocab` columns, from an explicit softmax (float64)."""
+    z = logits[rows, :vocab].double()
+    p = z.exp() / z.exp().sum(-1, keepdim=True)
+    return -(p * p.log()).sum(-1)
+
+
+@pytest.mark.parametrize("chunk_tokens,chunk_vocab", [(1, None), (4, 5), (1024, None), (2, 1), (3, 36)])
+@pytest.mark.parametrize("vocab", [V, V - 6])
+def test_streamed_entropy_equals_the_full_softmax_entropy(problem, chunk_tokens, chunk_vocab, vocab):
+    logits, rows, _, _ = problem
+    got = chunked_token_entropy(logits, rows, vocab_size=vocab, chunk_tokens=chunk_tokens, chunk_vocab=chunk_vocab)
+    torch.testing.assert_close(got, entropy_oracle(logits, rows, vocab), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(reference_token_entropy(logits, rows, vocab_size=vocab), got, rtol=1e-12, atol=1e-12)
+
+
+def test_float32_entropy_is_within_1e_5_of_float64_and_stays_finite_for_extreme_logits(problem):
+    logits, rows, _, _ = problem
+    got = chunked_token_entropy(logits.float(), rows, chunk_vocab=7)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), entropy_oracle(logits, rows, V), rtol=0, atol=1e-5)
+    peaked = logits * 1e3  # one-hot distributions: entropy 0, no overflow
+    extreme = chunked_token_entropy(peaked.float(), rows, chunk_vocab=7)
+    assert torch.isfinite(extreme).all() and extreme.abs().max() < 1e-5
+    flat = chunked_token_entropy(torch.zeros(2, V), torch.tensor([0, 1]), chunk_vocab=4)
+    torch.testing.assert_close(flat, torch.full((2,), math.log(V)))
+
+
+@pytest.mark.parametrize("world,vocab", [(2, V), (3, V), (3, 26)])
+def test_sharded_entropy_with_a_reducer_equals_the_unsharded_one(problem, world, vocab):
+    """(3, 26): the third rank's shard is all vocabulary padding."""
+    logits, rows, _, _ = problem
+    shard = -(-V // world)
+    padded = torch.cat([logits, torch.zeros(M, shard * world - V, dtype=logits.dtype)], dim=1)
+    reducer = ThreadReducer(world)
+    results: dict[int, torch.Tensor] = {}
+
+    def run(rank: int) -> None:
+        results[rank] = chunked_token_entropy(
+            padded[:, rank * shard : (rank + 1) * shard],
+            rows,
+            vocab_size=vocab,
+            vocab_start=rank * shard,
+            chunk_tokens=4,
+            chunk_vocab=5,
+            reducer=reducer.for_rank(rank),
+        )
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    want = entropy_oracle(logits, rows, vocab)
+    for rank in range(world):  # every rank gets the entropy over the whole vocabulary
+        torch.testing.assert_close(results[rank], want, rtol=1e-12, atol=1e-12)

@@ -190,3 +190,34 @@ def test_a_run_created_before_a_setting_existed_resumes_unless_the_setting_is_ch
     for changed in (["loss.alpha=1"], ["data.questions=[add-1-2]"]):
         with pytest.raises(ConfigMismatchError, match=changed[0].split("=")[0]):
             start_run(load_config(None, [f"storage.root={tmp_path}", "name=old", *changed]), layout)
+
+
+def test_srpo_and_pass_rate_weights_are_selected_by_dotted_overrides(tmp_path):
+    path = write(tmp_path, "loss:\n  type: srpo\n  srpo:\n    beta: 0.5\n")
+    cfg = load_config(path, ["loss.srpo.route=failed_with_teacher", "loss.pass_rate_weight=true"])
+    assert cfg.loss.type == "srpo" and cfg.loss.srpo.beta == 0.5
+    assert cfg.loss.srpo.route == "failed_with_teacher" and cfg.loss.pass_rate_weight
+    defaults = load_config(None, ["loss.type=srpo"]).loss
+    assert defaults.srpo.route == "failed_with_solution" and defaults.srpo.beta == 1.0  # the paper's
+    assert not load_config(None).loss.pass_rate_weight
+    assert load_config(None, ["loss.type=blend", "loss.blend_lambda=0.9"]).loss.blend_lambda == 0.9
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (["loss.type=srpo", "loss.srpo.beta=-1"], r"loss\.srpo\.beta: .*greater than or equal to 0"),
+        (["loss.type=srpo", "loss.srpo.route=always"], r"loss\.srpo\.route: .*failed_with_solution"),
+        (["loss.type=srpo", "loss.srpo.bogus=1"], r"loss\.srpo\.bogus: unknown key"),
+        (
+            ["loss.type=grpo", "loss.pass_rate_weight=true"],
+            r"pass_rate_weight=true .* set loss\.pass_rate_weight=false",
+        ),
+        (["loss.type=srpo", "teacher.feedback=opd"], r"loss\.type='srpo' .* set teacher\.feedback=sdpo"),
+        (["loss.type=srpo", "rollout.group_size=1", "data.prompts_per_iteration=4"], r"group_size >= 2"),
+        (["loss.type=ppo"], r"loss\.type: .*'srpo'"),
+    ],
+)
+def test_bad_srpo_and_pass_rate_settings_name_the_field_and_the_fix(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(None, overrides)

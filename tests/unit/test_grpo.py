@@ -103,6 +103,8 @@ def test_ppo_clipped_mask_and_fraction(ppo_example):
         aggregation="token-mean",
         clip_low=0.2,
         clip_high=0.28,
+        srpo_beta=1.0,
+        pass_rate_weight=False,
     )
     assert out.metrics["grpo/clip_fraction"] == pytest.approx(2 / 5)
     assert out.metrics["grpo/ratio_mean"] == pytest.approx((1.5 + 0.5 + 1.1 + 1.5 + 0.5) / 5)

@@ -5,13 +5,8 @@ import torch
 
 from sdpo_core.divergence import sampled_token_loss, topk_divergence
 from sdpo_core.grpo import ppo_clip_loss
-from sdpo_core.losses import (
-    LossInputs,
-    importance_weights,
-    loss_denominator,
-    masked_mean,
-    policy_loss,
-)
+from sdpo_core.losses import LossInputs, importance_weights, policy_loss
+from sdpo_core.reductions import loss_denominator, masked_mean
 
 # Hand example: 3 samples, T=4; sample 1 has no teacher.
 PER_TOKEN = [[1.0, 2.0, 3.0, 100.0], [4.0, 5.0, 100.0, 100.0], [6.0, 100.0, 100.0, 100.0]]
@@ -137,6 +132,8 @@ LOSS_KWARGS = dict(
     aggregation="token-mean",
     clip_low=0.2,
     clip_high=0.28,
+    srpo_beta=1.0,
+    pass_rate_weight=False,
 )
 
 
@@ -310,6 +307,8 @@ def test_policy_loss_counts_what_each_metric_averages():
         aggregation="token-mean",
         clip_low=0.2,
         clip_high=0.2,
+        srpo_beta=1.0,
+        pass_rate_weight=False,
     )
     counts = out.metric_counts
     assert counts["sdpo/divergence_mean"] == 7.0  # active tokens: samples 0 and 2

@@ -117,9 +117,15 @@ def test_teacher_round_trip_with_float16_logprobs(layout: RunLayout) -> None:
     assert sampled.values.dtype == np.float32  # sampled-token logprobs stay float32
     np.testing.assert_array_equal(sampled.values, columns["teacher_sampled_logprobs"].values)
     np.testing.assert_array_equal(batch.column("sample_mask").to_numpy(zero_copy_only=False), columns["sample_mask"])
+    entropy = ragged(batch, "teacher_entropy")
+    assert entropy.values.dtype == np.float32  # entropies stay float32 too
+    np.testing.assert_array_equal(entropy.values, columns["teacher_entropy"].values)
+    np.testing.assert_array_equal(entropy.offsets, columns["teacher_entropy"].offsets)
+    assert batch.column("route").to_pylist() == [None] * 12
+    np.testing.assert_array_equal(batch.column("pass_rate").to_numpy(), columns["pass_rate"])
     assert read_stage_manifest(layout, 0, "teacher").data["schema"] == {
         "name": "teacher",
-        "version": 1,
+        "version": 2,
         "top_k": K,
         "logprob_dtype": "float16",
         "topk_layout": "list<fixed_size_list<K>>",
@@ -216,6 +222,29 @@ def test_writer_rejects_rows_breaking_invariants(layout: RunLayout, mutate, matc
     mutate(columns)
     output = StageOutput(layout, 0, "rollout")
     with pytest.raises(ShardInvariantError, match=match), ShardWriter(output, ROLLOUT, top_k=K) as writer:
+        writer.write(columns)
+
+
+@pytest.mark.parametrize(
+    "mutate, match",
+    [
+        (lambda c: c.update(teacher_entropy=_drop_last_token(c["teacher_entropy"])), "len\\(teacher_entropy\\)"),
+        (
+            lambda c: c["teacher_entropy"].values.__setitem__(2, -0.01),
+            "'teacher_entropy' holds a non-finite value or one <",
+        ),
+        (lambda c: c["teacher_entropy"].values.__setitem__(0, np.nan), "'teacher_entropy' holds a non-finite value"),
+        (lambda c: c.update(route=["sdpo", None, "blend", "grpo"]), "route 'blend' not in \\('sdpo', 'grpo'\\)"),
+        (lambda c: c.update(pass_rate=np.array([0.5, 1.25, 0.0, 0.5], np.float32)), "pass_rate 1.25 is outside"),
+        (lambda c: c.update(pass_rate=np.array([0.5, np.nan, 0.0, 0.5], np.float32)), "'pass_rate' is not finite"),
+    ],
+)
+def test_teacher_writer_rejects_bad_routes_pass_rates_and_entropies(layout: RunLayout, mutate, match: str) -> None:  # type: ignore
+    columns = _columns(4, teacher=True)
+    columns["route"] = ["sdpo", "grpo", None, "grpo"]
+    mutate(columns)
+    output = StageOutput(layout, 0, "teacher")
+    with pytest.raises(ShardInvariantError, match=match), ShardWriter(output, TEACHER, top_k=K) as writer:
         writer.write(columns)
 
 

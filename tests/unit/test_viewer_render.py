@@ -1,10 +1,18 @@
-"""The viewer's text regions and credit colours."""
+"""The viewer's text regions, credit colours and entropy-weight colours."""
 
 from __future__ import annotations
 
 import pytest
 
-from tasks.viewer.render import CREDIT_SCALE, credit_colour, regions, segments, token_regions
+from tasks.viewer.render import (
+    CREDIT_SCALE,
+    WEIGHT_SCALE,
+    credit_colour,
+    regions,
+    segments,
+    token_regions,
+    weight_colour,
+)
 
 
 def test_regions_find_think_tool_call_and_code_blocks_with_their_tags():
@@ -53,3 +61,10 @@ def test_credit_colour_grows_with_the_magnitude_and_keeps_the_sign():
     # green: the red channel falls as the credit grows
     assert int(strong[1:3], 16) < int(weak[1:3], 16) < 255
     assert credit_colour(-1.0)[1:3] > credit_colour(1.0)[1:3]  # red keeps its red channel high
+
+
+def test_weight_colour_is_white_at_zero_deepens_with_the_weight_and_saturates_at_the_scale():
+    assert weight_colour(0.0) == "#ffffff" == weight_colour(-1.0)
+    assert weight_colour(WEIGHT_SCALE) == "#285ac8" == weight_colour(5 * WEIGHT_SCALE)
+    light, dark = weight_colour(0.5), weight_colour(1.5)
+    assert int(dark[1:3], 16) < int(light[1:3], 16) < 255  # the red channel falls as the weight grows

@@ -3,7 +3,7 @@
     python scorer_worker.py HF_DIR INPUTS.pkl OUT.pkl TENSOR_PARALLEL DTYPE [REFERENCE_DIR RATE]
 
 INPUTS.pkl holds {"sequences": [(prompt_ids, response_ids)], "topk_ids": [array [T, K]]}; rank 0
-writes the list of (topk_logprobs, sampled_logprobs) to OUT.pkl.
+writes the list of (topk_logprobs, sampled_logprobs, entropy) to OUT.pkl.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def main() -> None:
         trust_region_rate=rate,
     )
     if dist.get_rank() == 0:
-        out.write_bytes(pickle.dumps([(s.topk_logprobs, s.sampled_logprobs) for s in scores]))
+        out.write_bytes(pickle.dumps([(s.topk_logprobs, s.sampled_logprobs, s.entropy) for s in scores]))
     destroy_parallel()  # every rank leaves its groups before exiting (tasks/megatron/parallel.py)
 
 
