@@ -1,8 +1,9 @@
 """The program that runs inside the code sandbox (see tasks/sandbox/program.py). Standard library only.
 
 `tasks.sandbox.program` copies this file into the sandbox, with runner.py (the runner),
-codec.py (plain values and the channel) and guard.py (the audit hook) beside it as sandbox_runner.py, sandbox_codec.py and sandbox_guard.py,
-and starts it with `python -I -S -B`; it is never imported by the pipeline. Two phases:
+codec.py (plain values and the channel), guard.py (the audit hook) and extensions.py (the native modules the
+program may use) beside it as sandbox_runner.py, sandbox_codec.py, sandbox_guard.py and sandbox_extensions.py,
+and starts it with `python -I -S -B`; it is never imported by the pipeline. Three phases:
 
 - `setup CONFIG_JSON` (namespace isolation only, run as root inside fresh network / mount / pid /
   ipc / uts namespaces made by `unshare`): joins the sandbox's memory cgroup, builds a minimal root
@@ -10,6 +11,9 @@ and starts it with `python -I -S -B`; it is never imported by the pipeline. Two 
   tmpfs as the working directory), chroots into it, opens the job file (readable by root only),
   drops to an unprivileged uid with no_new_privs, closes every other descriptor and execs the
   `run` phase in a clean interpreter.
+- `start JOB RESULT_FD GUARD UID LIMITS_JSON` (process isolation): sets no_new_privs and execs the
+  `run` phase in a clean interpreter, so that ctypes (which prctl needs) is never loaded where
+  the runner is forked from; the runner could reach it through sys.modules without an import.
 - `run JOB RESULT_FD GUARD UID LIMITS_JSON`: the judge. It applies the resource limits and,
   before it reads the job, forks the runner, the only process that executes the program. The judge holds the
   report pipe to the parent; the runner holds none of it (every other descriptor is closed, and the
@@ -28,26 +32,10 @@ run with success, replace the test's functions or builtins, return an object tha
 everything, or read the test code (the runner was forked before the judge read the job).
 """
 
-import builtins
-import json
 import os
-import resource
-import signal
 import sys
-import traceback
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the modules copied beside this file
-from sandbox_codec import Channel, CodecError, decode, encode  # noqa: E402
-from sandbox_guard import install_guard  # noqa: E402
-from sandbox_runner import Runner, describe  # noqa: E402
-
-del sys.path[0]  # the sandbox's root folder: not a place the program may read from
-
-TEST_FILES = ("<test>", "<test-setup>")
-
-# Mount flags (linux/mount.h) and prctl options.
-_MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_REMOUNT, _MS_BIND, _MS_REC = 1, 2, 4, 32, 4096, 16384
-_PR_SET_DUMPABLE, _PR_SET_NO_NEW_PRIVS = 4, 38
+_PR_SET_DUMPABLE, _PR_SET_NO_NEW_PRIVS = 4, 38  # prctl options
 
 
 def _libc():
@@ -60,6 +48,36 @@ def _prctl(option, value):
     ctypes, libc = _libc()
     if libc.prctl(option, value, 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), f"prctl({option}, {value})")
+
+
+def start(arguments):
+    """Process isolation: no_new_privs (kept across exec and fork), then the `run` phase in a fresh
+    interpreter."""
+    _prctl(_PR_SET_NO_NEW_PRIVS, 1)
+    os.execv(sys.executable, [sys.executable, "-I", "-S", "-B", os.path.abspath(__file__), "run", *arguments])
+
+
+if __name__ == "__main__" and sys.argv[1] == "start":  # before the imports of the other phases: it runs none
+    start(sys.argv[2:])
+
+import builtins  # noqa: E402
+import json  # noqa: E402
+import resource  # noqa: E402
+import signal  # noqa: E402
+import traceback  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the modules copied beside this file
+from sandbox_codec import Channel, CodecError, decode, encode  # noqa: E402
+from sandbox_extensions import ALLOWED, REFUSED  # noqa: E402
+from sandbox_guard import install_guard  # noqa: E402
+from sandbox_runner import Runner, describe  # noqa: E402
+
+del sys.path[0]  # the sandbox's root folder: not a place the program may read from
+
+TEST_FILES = ("<test>", "<test-setup>")
+
+# Mount flags (linux/mount.h).
+_MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_REMOUNT, _MS_BIND, _MS_REC = 1, 2, 4, 32, 4096, 16384
 
 
 # -- setup phase (root, inside the new namespaces) ------------------------------------------------
@@ -123,39 +141,58 @@ def setup(config):
     os.execve(python, argv, config["env"])
 
 
-def _drop_to(uid):
-    """Process isolation as root: keep the standard library importable through descriptors opened
-    now (its folders may not be readable by `uid`), then become `uid`."""
-    paths = []
-    for path in sys.path:
-        if path and os.path.isdir(path):
-            paths.append(f"/proc/self/fd/{os.open(path, os.O_RDONLY | os.O_DIRECTORY)}")
-    sys.path[:] = paths
+def _pin_library(first):
+    """Process isolation as root, before RLIMIT_NOFILE is lowered to `first`: open the standard
+    library's folders (which the runner's uid may not be able to read) as descriptors numbered
+    from `first`. Past the limit, the program can close them but never put another folder in
+    their place (dup2 and open only reach numbers below it), so a path through /proc/self/fd/N
+    keeps naming the standard library, which the guard's checks of extension files rely on."""
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # room for the numbers; lowered right after
+    numbers = []
+    for number, folder in enumerate((p for p in sys.path if p and os.path.isdir(p)), start=first):
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+        os.dup2(fd, number, inheritable=False)
+        os.close(fd)
+        numbers.append(number)
+    return numbers
+
+
+def _drop_to(uid, library):
+    """Process isolation as root: import the standard library through the descriptors `library`
+    (see _pin_library), then become `uid` (no_new_privs was set by the `start` phase)."""
+    sys.path[:] = [f"/proc/self/fd/{number}" for number in library]
     sys.path_importer_cache.clear()
     os.setgroups([])
     os.setgid(uid)
     os.setuid(uid)
-    _prctl(_PR_SET_NO_NEW_PRIVS, 1)
 
 
-def _start_runner(guard, uid, output_limit):
+def _start_runner(guard, uid, output_limit, library):
     """Fork the runner; returns (channel to it, its pid). Called before the job is read."""
     to_runner, from_runner = os.pipe(), os.pipe()
     pid = os.fork()
     if pid:
         os.close(to_runner[0])
         os.close(from_runner[1])
+        for fd in library:
+            os.close(fd)
         return Channel(from_runner[0], to_runner[1], max_bytes=4 * output_limit + (1 << 20)), pid
     start = 3
-    for fd in sorted((to_runner[0], from_runner[1])):
+    for fd in sorted((to_runner[0], from_runner[1], *library)):
         os.closerange(start, fd)  # the report pipe, the job and the judge's ends: out of the program's reach
         start = fd + 1
     os.closerange(start, 65536)
     if uid is not None:
-        _drop_to(uid)
+        _drop_to(uid, library)
     if guard == "guard":
         stdlib = [p for p in sys.path if p]
-        install_guard(workdir=os.getcwd(), read_roots=stdlib + ["/dev/null", "/dev/zero", "/dev/urandom"])
+        install_guard(
+            workdir=os.getcwd(),
+            read_roots=stdlib + ["/dev/null", "/dev/zero", "/dev/urandom"],
+            allowed=ALLOWED,
+            refused=REFUSED,
+        )
     channel = Channel(to_runner[0], from_runner[1], max_bytes=1 << 40)
     Runner(channel, output_limit).serve()
     os._exit(0)
@@ -309,9 +346,12 @@ def run(job_source, result_fd, guard, uid, limits):
     if limits["cgroup_procs"]:  # process isolation as root: the judge joins the memory cgroup itself
         with open(limits["cgroup_procs"], "w") as f:
             f.write("0")
+    library = [] if uid == "-" else _pin_library(limits["rlimits"]["RLIMIT_NOFILE"])
     _set_limits(limits["rlimits"])
-    _prctl(_PR_SET_DUMPABLE, 0)  # no same-uid process may read this one's descriptors or memory
-    runner, pid = _start_runner(guard, None if uid == "-" else int(uid), limits["output_limit"])
+    runner, pid = _start_runner(guard, None if uid == "-" else int(uid), limits["output_limit"], library)
+    # No same-uid process may read this one's descriptors or memory. After the fork, so that the
+    # runner holds no ctypes; it runs nothing of the program before the first request, sent below.
+    _prctl(_PR_SET_DUMPABLE, 0)
     job = json.loads(job_file.read())
     job_file.close()
     _Judge(job, runner, pid, result_fd).run()

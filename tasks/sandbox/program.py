@@ -17,10 +17,11 @@ Isolation levels (`SandboxLimits.isolation`):
   no_new_privs, so it can signal nothing outside, RLIMIT_NPROC bounds its processes and when the
   sandbox's init process dies the kernel kills every process left in the pid namespace.
   The network namespace has only a loopback that is down: every connect fails.
-- "process" (opt-in by name, with a warning): a plain child process with the same rlimits, a
-  scrubbed environment and a fresh temporary working directory; as root the runner drops to a
-  random unprivileged uid. File, network, process and signal restrictions then rest on that uid
-  and on the Python-level guard (an audit hook), which native code could bypass.
+- "process" (opt-in by name, with a warning): a plain child process with no_new_privs, the same
+  rlimits, a scrubbed environment and a fresh temporary working directory; as root the runner
+  drops to a random unprivileged uid. File, network, process and signal restrictions then rest on
+  that uid and on the Python-level guard (an audit hook that admits only the native modules of
+  tasks/sandbox/extensions.py), which a crafted bytecode exploit of the interpreter could bypass.
 - "auto": "namespace"; where it is unavailable the run is refused (name "process" to accept the
   weaker level).
 Memory: one limit for the whole sandbox (tasks/sandbox/memory.py).
@@ -63,7 +64,10 @@ Isolation = Literal["auto", "namespace", "process"]
 # the harness and the modules it imports, as (file here, name inside the sandbox)
 _HARNESS_FILES = (
     (Path(__file__).with_name("harness.py"), "harness.py"),
-    *((Path(__file__).with_name(f"{name}.py"), f"sandbox_{name}.py") for name in ("guard", "codec", "runner")),
+    *(
+        (Path(__file__).with_name(f"{name}.py"), f"sandbox_{name}.py")
+        for name in ("guard", "extensions", "codec", "runner")
+    ),
 )
 _WORKDIR_IN_ROOT = "/sandbox"
 _UID_RANGE = (200_000, 260_000)  # unprivileged uids no account uses; a random one per run
@@ -130,7 +134,8 @@ def _isolation(limits: SandboxLimits) -> Literal["namespace", "process"]:
     if limits.isolation == "process":
         _warn_once(
             "code sandbox: isolation='process' runs model-written code as a plain process with rlimits, an "
-            "unprivileged uid (as root) and the Python-level guard; native code can bypass the guard"
+            "unprivileged uid (as root) and the Python-level guard; a crafted bytecode exploit of the interpreter "
+            "could bypass the guard"
         )
         return "process"
     if namespace_isolation_available():
@@ -391,7 +396,7 @@ def _process_command(
         "-S",
         "-B",
         str(base / "harness.py"),
-        "run",
+        "start",
         str(base / "job.json"),
         str(result_fd),
         guard,
