@@ -88,7 +88,7 @@ def _triton_decode_attention(
         q, k, v, start, end, acc, stats,
         qs[0], qs[1], *k.stride()[:3], *v.stride()[:3],
         scale, per_chunk,
-        R=r, BLOCK_R=block_r, D=d, BLOCK_N=_BLOCK_N, CHUNKS=chunks,
+        R=r, BLOCK_R=block_r, D=d, BLOCK_N=_BLOCK_N, CHUNKS=chunks, IEEE=q.dtype == torch.float32,
     )  # fmt: skip
     combine[(b, g)](acc, stats, out, out.stride(0), R=r, BLOCK_R=block_r, D=d, CHUNKS=chunks)
     return out
@@ -106,6 +106,7 @@ def _kernels() -> tuple[Any, Any]:
         sqb, sqh, skb, skg, skc, svb, svg, svc,
         scale, per_chunk,
         R: tl.constexpr, BLOCK_R: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr,
+        IEEE: tl.constexpr,
     ):  # fmt: skip
         row, group, chunk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         lo = tl.maximum(tl.load(Start + row).to(tl.int32), chunk * per_chunk)
@@ -124,13 +125,20 @@ def _kernels() -> tuple[Any, Any]:
             cols = n0 + tl.arange(0, BLOCK_N)
             valid = cols < hi
             kt = tl.load(k_base + cols[None, :] * skc + dims[:, None], mask=valid[None, :], other=0.0)  # [D, N]
-            scores = tl.dot(q, kt) * scale  # [BLOCK_R, N]
+            # float32 inputs are multiplied in float32, not TF32 (Triton's default), as SDPA does
+            if IEEE:
+                scores = tl.dot(q, kt, input_precision="ieee") * scale  # [BLOCK_R, N]
+            else:
+                scores = tl.dot(q, kt) * scale
             scores = tl.where(valid[None, :], scores, float("-inf"))
             m_new = tl.maximum(m, tl.max(scores, 1))
             p = tl.exp(scores - m_new[:, None])
             alpha = tl.exp(m - m_new)
             vv = tl.load(v_base + cols[:, None] * svc + dims[None, :], mask=valid[:, None], other=0.0)  # [N, D]
-            acc = acc * alpha[:, None] + tl.dot(p.to(vv.dtype), vv)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p.to(vv.dtype), vv, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(vv.dtype), vv)
             s = s * alpha + tl.sum(p, 1)
             m = m_new
         base = (row * tl.num_programs(1) + group) * CHUNKS + chunk
