@@ -10,8 +10,9 @@ Ordering: call `apply_cpu_compat()` after `parallel_state.initialize_model_paral
 `tensor_parallel.model_parallel_cuda_manual_seed()` (the seed call reads the "CUDA" RNG).
 `tasks.megatron.parallel.init_parallel` does exactly that.
 
-One patch is not about the CPU and applies on every device: `patch_sync_save_queue`, which the
-trainer's `save_megatron` applies before each save (a synchronous save needs no spawned process).
+Two patches are not about the CPU and apply on every device; the trainer's `save_megatron` applies
+them before each save: `patch_sync_save_queue` (a synchronous save needs no spawned process) and
+`patch_deterministic_checkpoint_metadata` (a save writes no path or random id into `.metadata`).
 
 Scope and limits:
 - No CPU patch is applied when `torch.cuda.is_available()`; on a GPU machine Megatron runs
@@ -52,6 +53,7 @@ __all__ = [
     "patch_cuda_rng",
     "patch_cuda_tensor_creation",
     "patch_clip_grads",
+    "patch_deterministic_checkpoint_metadata",
     "patch_sync_save_queue",
     "without_device_rewrite",
 ]
@@ -293,6 +295,47 @@ def patch_sync_save_queue() -> None:
         )
     setattr(fs_async, factory, _in_process_results_queue)
     _applied.add("sync_save_queue")
+
+
+def _anonymous_storage_meta(self: Any) -> Any:
+    """What `.metadata` records of the writer that saved it: nothing (no path, no save id)."""
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    return StorageMeta()
+
+
+# megatron-core versions whose `FileSystemWriterAsync` writes torch's `storage_meta()` into `.metadata`.
+_STORAGE_META_WRITTEN_BY = ("0.16.1", "0.19.2")
+
+
+def patch_deterministic_checkpoint_metadata() -> None:
+    """Keep the writer's save path and random save id out of a distributed checkpoint's `.metadata`,
+    so two saves of one training state write the same bytes. Applied on every device.
+
+    Why: `FileSystemWriterAsync.finish` (`dist_checkpointing/strategies/filesystem_async.py`;
+    0.16.1 line 491 and torch's `_FileSystemWriter.finish` it defers to) pickles
+    `self.storage_meta()` into `.metadata`: a `StorageMeta` holding the folder it saved to (a
+    temporary folder named after the host and process, `storage/scratch.py`) and a fresh
+    `uuid4()` save id. Neither is read back: loading takes the folder from its caller and sets its
+    own `load_id`. Left in, they make `.metadata`, its checkpoint manifest and every manifest naming
+    that one differ between two runs of one config. The patch replaces `storage_meta` on
+    `FileSystemWriterAsync`, which inherits torch's in 0.16.1 (tested: two saves write the same
+    bytes, `tests/integration/test_megatron_save.py`) and in the upstream source read after 0.19;
+    it refuses another version, and one whose writer defines `storage_meta` itself.
+    """
+    if "deterministic_checkpoint_metadata" in _applied:
+        return
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    version = _megatron_version()
+    if version not in _STORAGE_META_WRITTEN_BY or "storage_meta" in vars(FileSystemWriterAsync):
+        raise RuntimeError(
+            f"megatron-core {version}: patch_deterministic_checkpoint_metadata in tasks/megatron/compat.py was "
+            f"checked with {_STORAGE_META_WRITTEN_BY} only; check what this version's FileSystemWriterAsync "
+            "writes into .metadata and add it"
+        )
+    FileSystemWriterAsync.storage_meta = _anonymous_storage_meta
+    _applied.add("deterministic_checkpoint_metadata")
 
 
 def apply_cpu_compat() -> None:

@@ -67,3 +67,24 @@ def test_a_save_spawns_no_process_and_loads_back_bit_identical(trainer_inputs, t
     after, after_resumed = _state(trainer), _state(resumed)
     for name, value in after.items():
         assert torch.equal(after_resumed[name], value), name
+
+
+def test_two_saves_of_one_state_write_the_same_bytes(trainer_inputs, tmp_path):
+    """Every file of the distributed checkpoint, `.metadata` included (torch's writer records the
+    folder it saved to and a random save id there unless `patch_deterministic_checkpoint_metadata`
+    keeps them out), is the same whichever folder it was saved to; and the state loads back."""
+    from storage.objects import sha256_local_file
+
+    hf, columns = trainer_inputs
+    trainer = _trainer(hf)
+    trainer.train_iteration(columns, iteration=1)
+    first, second = tmp_path / "a" / "state", tmp_path / "elsewhere" / "megatron"
+    trainer.save_megatron(first, iteration=1)
+    trainer.save_megatron(second, iteration=1)
+    names = sorted(p.name for p in first.iterdir())
+    assert ".metadata" in names and names == sorted(p.name for p in second.iterdir())
+    differ = [n for n in names if sha256_local_file(first / n) != sha256_local_file(second / n)]
+    assert differ == []
+    resumed = _trainer(hf)
+    resumed.load_megatron(second)
+    assert all(torch.equal(v, _state(trainer)[k]) for k, v in _state(resumed).items())
