@@ -11,8 +11,8 @@ recorded, a file against its manifest's size and sha256. What does not check out
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from storage.errors import ChecksumMismatchError, CorruptManifestError, DamagedOutputError, NotCommittedError
@@ -20,18 +20,17 @@ from storage.layout import RunLayout
 from storage.manifest import ITERATION_STAGES, Manifest, read_manifest, verify_latest, verify_ref
 from storage.verify import stored_sha256
 
-logger = logging.getLogger(__name__)
-
 # The stages of an iteration in the order each is computed from the one before: a stage computed
 # again changes its manifest's digest, which the stages after it recorded, so they go with it.
 _ORDER = (*ITERATION_STAGES, "eval")
 _DAMAGE = (ChecksumMismatchError, CorruptManifestError, NotCommittedError)
 
 
+@dataclass
 class _Checking:
     """The URL being checked, so that a failure names it whichever check raised."""
 
-    url = ""
+    url: str = ""
 
 
 def _audit(layout: RunLayout) -> str:

@@ -12,7 +12,8 @@ Ordering: call `apply_cpu_compat()` after `parallel_state.initialize_model_paral
 
 Two patches are not about the CPU and apply on every device; the trainer's `save_megatron` applies
 them before each save: `patch_sync_save_queue` (a synchronous save needs no spawned process) and
-`patch_deterministic_checkpoint_metadata` (a save writes no path or random id into `.metadata`).
+`patch_deterministic_checkpoint_metadata` (a save writes no path, random id or varying order into
+`.metadata`).
 
 Scope and limits:
 - No CPU patch is applied when `torch.cuda.is_available()`; on a GPU machine Megatron runs
@@ -304,37 +305,54 @@ def _anonymous_storage_meta(self: Any) -> Any:
     return StorageMeta()
 
 
-# megatron-core versions whose `FileSystemWriterAsync` writes torch's `storage_meta()` into `.metadata`.
-_STORAGE_META_WRITTEN_BY = ("0.16.1", "0.19.2")
+def _write_result_key(result: Any) -> tuple[str, tuple[int, ...], int]:
+    """Where a written item sits in the state dict: (key, chunk offset, index in a list)."""
+    index = result.index
+    return (index.fqn, () if index.offset is None else tuple(index.offset), -1 if index.index is None else index.index)
+
+
+# megatron-core versions whose `FileSystemWriterAsync` writes torch's `storage_meta()` and the write
+# results in the order its bucket writers report them into `.metadata`.
+_METADATA_WRITTEN_BY = ("0.16.1", "0.19.2")
 
 
 def patch_deterministic_checkpoint_metadata() -> None:
-    """Keep the writer's save path and random save id out of a distributed checkpoint's `.metadata`,
-    so two saves of one training state write the same bytes. Applied on every device.
+    """Make a distributed checkpoint's `.metadata` a function of the state saved, so two saves of
+    one training state write the same bytes. Applied on every device.
 
-    Why: `FileSystemWriterAsync.finish` (`dist_checkpointing/strategies/filesystem_async.py`;
-    0.16.1 line 491 and torch's `_FileSystemWriter.finish` it defers to) pickles
-    `self.storage_meta()` into `.metadata`: a `StorageMeta` holding the folder it saved to (a
-    temporary folder named after the host and process, `storage/scratch.py`) and a fresh
-    `uuid4()` save id. Neither is read back: loading takes the folder from its caller and sets its
-    own `load_id`. Left in, they make `.metadata`, its checkpoint manifest and every manifest naming
-    that one differ between two runs of one config. The patch replaces `storage_meta` on
-    `FileSystemWriterAsync`, which inherits torch's in 0.16.1 (tested: two saves write the same
-    bytes, `tests/integration/test_megatron_save.py`) and in the upstream source read after 0.19;
-    it refuses another version, and one whose writer defines `storage_meta` itself.
+    Why: `FileSystemWriterAsync.finish` (`dist_checkpointing/strategies/filesystem_async.py`; it
+    defers to torch's `_FileSystemWriter.finish`) pickles into `.metadata`
+    - `self.storage_meta()`: a `StorageMeta` holding the folder it saved to (a temporary folder named
+      after the host and process, `storage/scratch.py`) and a fresh `uuid4()` save id. Neither is
+      read back: loading takes the folder from its caller and sets its own `load_id`;
+    - `storage_data`, a dict filled from the write results in the order the per-bucket writers
+      reported them (forked processes in 0.16.1, threads in 0.19.2): the same entries, in an order
+      that varies from save to save.
+    Left as they are, they make `.metadata`, its checkpoint manifest and every manifest naming that
+    one differ between two runs of one config. The patch gives `FileSystemWriterAsync` a
+    `storage_meta` that records nothing and a `finish` that hands the results on sorted by where
+    each item sits in the state dict. Checked with 0.16.1 (`tests/integration/test_megatron_save.py`)
+    and against the upstream source after 0.19; it refuses another version, and one whose writer
+    defines `storage_meta` itself.
     """
     if "deterministic_checkpoint_metadata" in _applied:
         return
     from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 
     version = _megatron_version()
-    if version not in _STORAGE_META_WRITTEN_BY or "storage_meta" in vars(FileSystemWriterAsync):
+    if version not in _METADATA_WRITTEN_BY or "storage_meta" in vars(FileSystemWriterAsync):
         raise RuntimeError(
             f"megatron-core {version}: patch_deterministic_checkpoint_metadata in tasks/megatron/compat.py was "
-            f"checked with {_STORAGE_META_WRITTEN_BY} only; check what this version's FileSystemWriterAsync "
+            f"checked with {_METADATA_WRITTEN_BY} only; check what this version's FileSystemWriterAsync "
             "writes into .metadata and add it"
         )
+    finish = FileSystemWriterAsync.finish
+
+    def finish_in_order(self: Any, metadata: Any, results: list[list[Any]]) -> None:
+        finish(self, metadata, [sorted((r for rank in results for r in rank), key=_write_result_key)])
+
     FileSystemWriterAsync.storage_meta = _anonymous_storage_meta
+    FileSystemWriterAsync.finish = finish_in_order
     _applied.add("deterministic_checkpoint_metadata")
 
 
