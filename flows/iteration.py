@@ -143,8 +143,8 @@ def complete_iteration(
     also gets its status line, its sample table in MLflow and its Prefect artifacts.
     """
     from flows.artifacts import publish_iteration
-    from storage.manifest import read_iteration_manifest, read_latest
-    from storage.stages import read_eval
+    from storage.adopt import adopt_stage
+    from storage.manifest import read_iteration_manifest, read_latest, stage_done
     from tasks.runtime import retain_after_commit
     from tasks.tracking.summary import sample_table
 
@@ -162,8 +162,10 @@ def complete_iteration(
             ran = True
         metrics.update(read_iteration_manifest(run.layout, n).data["metrics"])
     if eval_due(n, enabled=cfg.eval.enabled, every=cfg.eval.every, last=cfg.iterations):
-        evaluated = read_eval(run.layout, n)
-        metrics.update(evaluated if evaluated is not None else stages.evaluate(root, name, n, launch["eval"]))
+        if stage_done(run.layout, n, "eval"):  # committed by an earlier attempt: checked before it is reused
+            metrics.update(adopt_stage(run.layout, n, "eval", hash_files=cfg.storage.verify_sha256)["metrics"])
+        else:
+            metrics.update(stages.evaluate(root, name, n, launch["eval"]))
     logged = tracker.log_step(n, metrics)
     # a kill after the step's metrics and before its sample table leaves the table to this call
     if n > 0 and (ran or logged or not tracker.has_samples(n)):

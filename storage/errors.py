@@ -59,3 +59,12 @@ class StorageIOError(StorageError, OSError):
 
 class CorruptManifestError(StorageError):
     """A manifest (or LATEST, run.json) that is not the UTF-8 JSON object this code writes."""
+
+
+class DamagedOutputError(StorageError):
+    """Something committed that a run would reuse (a shard, a manifest, LATEST) no longer matches the
+    digest recorded for it. `url` names the file; the message says what to do."""
+
+    def __init__(self, url: str, message: str) -> None:
+        super().__init__(message)
+        self.url = url

@@ -3,6 +3,11 @@
 A manifest is a JSON object written LAST with an exclusive create (`ObjectStore.create_exclusive`).
 Its sha256 (of the stored bytes) is its identity: children name their parents by path and digest.
 Committing an iteration writes the iteration manifest, then replaces `LATEST`.
+
+A manifest also records, when it is written, the digest of its own content (`content_sha256`: the
+sha256 of the manifest's canonical JSON without that field), and every read checks it. So a
+manifest that nothing names yet (the last committed stage of an iteration not yet committed) is
+still refused once edited, valid JSON or not. Manifests of version 1 predate the field.
 """
 
 from __future__ import annotations
@@ -24,7 +29,8 @@ from storage.provenance import code_version, utc_now
 
 logger = logging.getLogger(__name__)
 
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2
+CONTENT_DIGEST = "content_sha256"
 ITERATION_STAGES = ("rollout", "teacher", "train")
 
 
@@ -68,13 +74,28 @@ def plain_metrics(metrics: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+WALL_CLOCK_METRICS = ("seconds", "per_second")
+
+
+def is_wall_clock(metric: str) -> bool:
+    """Whether a metric measures time taken (`.../seconds`, `..._per_second`): it differs between
+    any two runs, and is kept out of the files whose bytes two runs of one config share."""
+    return metric.endswith(WALL_CLOCK_METRICS)
+
+
 def _encode(data: Mapping[str, Any]) -> bytes:
     return (json.dumps(data, indent=1, sort_keys=True, allow_nan=False) + "\n").encode()
 
 
+def content_digest(data: Mapping[str, Any]) -> str:
+    """The digest a manifest records of its own content: its canonical JSON without that field."""
+    return sha256_bytes(_encode({k: v for k, v in data.items() if k != CONTENT_DIGEST}))
+
+
 def write_manifest(layout: RunLayout, url: str, data: Mapping[str, Any]) -> Manifest:
-    """Create the manifest at `url`; AlreadyCommittedError if one exists (never overwritten)."""
-    payload = _encode(data)
+    """Create the manifest at `url`, with the digest of its content; AlreadyCommittedError if one
+    exists (never overwritten)."""
+    payload = _encode({**data, CONTENT_DIGEST: content_digest(data)})
     try:
         layout.store.create_exclusive(url, payload)
     except FileExistsError as exc:
@@ -87,7 +108,26 @@ def read_manifest(layout: RunLayout, url: str) -> Manifest:
     if not layout.store.exists(url):
         raise NotCommittedError(f"no manifest at {url}: the output is not committed")
     payload = layout.store.read_bytes(url)
-    return Manifest(path=layout.relative(url), sha256=sha256_bytes(payload), data=decode_json_object(url, payload))
+    data = decode_json_object(url, payload)
+    check_content(url, data)
+    return Manifest(path=layout.relative(url), sha256=sha256_bytes(payload), data=data)
+
+
+def check_content(url: str, data: Mapping[str, Any]) -> None:
+    """Refuse a manifest whose content is not what it recorded when written (CorruptManifestError
+    naming `url`). A version-1 manifest, written before manifests recorded their content, passes."""
+    if data.get("manifest_version") == 1 and CONTENT_DIGEST not in data:
+        return
+    recorded = data.get(CONTENT_DIGEST)
+    if not isinstance(recorded, str):
+        raise CorruptManifestError(
+            f"{url} has no {CONTENT_DIGEST} (it records one since manifest version 2): it was not written by "
+            "this pipeline or was edited"
+        )
+    if (actual := content_digest(data)) != recorded:
+        raise CorruptManifestError(
+            f"{url} was changed after it was written: its content has sha256 {actual}, it recorded {recorded}"
+        )
 
 
 def decode_json_object(url: str, payload: bytes) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from storage.layout import RunLayout, read_run
 from storage.manifest import (
     Manifest,
     base_fields,
+    is_wall_clock,
     plain_metrics,
     read_manifest,
     stage_done,
@@ -165,9 +166,10 @@ EVAL_FILE = "metrics.json"
 
 
 def write_eval(layout: RunLayout, n: int, metrics: Mapping[str, Any], *, parents: Sequence[Manifest] = ()) -> Manifest:
-    """Commit the evaluation of checkpoint n as stage `eval` of iteration n (metrics in file and manifest)."""
+    """Commit the evaluation of checkpoint n as stage `eval` of iteration n: its metrics in the manifest,
+    and in `metrics.json` but for the wall-clock ones (so the file is the same in every run of a config)."""
     output = StageOutput(layout, n, "eval")
-    output.write_json(EVAL_FILE, plain_metrics(metrics))
+    output.write_json(EVAL_FILE, {k: v for k, v in plain_metrics(metrics).items() if not is_wall_clock(k)})
     return output.commit(parents=parents, metrics=metrics)
 
 

@@ -47,7 +47,8 @@ class Report:
         self.problems.append((url, what))
 
 
-def _hash_object(layout: RunLayout, url: str) -> str:
+def stored_sha256(layout: RunLayout, url: str) -> str:
+    """sha256 of the store's copy of `url`, read in chunks (never a cached copy)."""
     digest = hashlib.sha256()
     with layout.store.open_read(url) as f:
         for chunk in iter(lambda: f.read(_CHUNK), b""):
@@ -112,7 +113,7 @@ def _check_files(layout: RunLayout, manifest: Manifest, report: Report, progress
         if size != entry["bytes"]:
             report.bad(url, f"{size} bytes, {manifest.path} says {entry['bytes']}")
             continue
-        actual = _hash_object(layout, url)
+        actual = stored_sha256(layout, url)
         report.files += 1
         report.bytes += size
         progress(size)

@@ -223,9 +223,10 @@ _ROLLOUT_COLUMNS = (
 
 
 def run_rollout(root: str, run_name: str, iteration: int) -> dict:
-    """Rollout stage of `iteration`: returns its manifest (skips when already committed)."""
+    """Rollout stage of `iteration`: returns its manifest (a committed one is checked, then reused)."""
+    from storage.adopt import adopt_stage
     from storage.checkpoints import resolve_checkpoint
-    from storage.manifest import read_stage_manifest, stage_done
+    from storage.manifest import stage_done
     from storage.shard_writer import write_shards
     from tasks.data.prompts import iteration_prompts, training_rows
     from tasks.runtime import behaviour_iteration, open_run
@@ -233,8 +234,10 @@ def run_rollout(root: str, run_name: str, iteration: int) -> dict:
     run = open_run(root, run_name)
     cfg = run.cfg
     if stage_done(run.layout, iteration, "rollout"):
-        logger.info("iteration %d rollout already committed; reusing it", iteration)
-        return read_stage_manifest(run.layout, iteration, "rollout")
+        # committed by an earlier attempt: checked against its digests before it is reused
+        manifest = adopt_stage(run.layout, iteration, "rollout", hash_files=cfg.storage.verify_sha256)
+        logger.info("iteration %d rollout already committed; checked, reusing it", iteration)
+        return manifest
     from storage.faults import crash_point
 
     crash_point("stage.start:rollout", iteration)

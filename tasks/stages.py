@@ -94,9 +94,12 @@ def train(
 
 @task(name="commit", task_run_name="{run}/iter-{iteration:04d}/commit", **RETRIES)
 def commit(root: str, run: str, iteration: int, manifests: list[dict[str, Any]]) -> dict[str, Any]:
-    from tasks.commit import run_commit
+    """`manifests`: what the rollout, teacher and train tasks handed on; the commit checks that the
+    stage manifests it names still have those digests."""
+    from tasks.commit import STAGES, run_commit
 
-    return _plain(run_commit(root, run, iteration))
+    handed = {stage: m["sha256"] for stage, m in zip(STAGES, manifests, strict=True)}
+    return _plain(run_commit(root, run, iteration, handed))
 
 
 @task(name="evaluate", task_run_name="{run}/iter-{iteration:04d}/eval", **RETRIES)

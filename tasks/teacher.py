@@ -91,7 +91,7 @@ def build_contexts(run: Run, columns: dict[str, Any]) -> tuple[list[Any], dict[s
 
 
 def run_teacher(root: str, run_name: str, iteration: int) -> dict | None:
-    """Teacher stage of `iteration`: returns its manifest (skips when already committed).
+    """Teacher stage of `iteration`: returns its manifest (a committed one is checked, then reused).
 
     Under torchrun (teacher.backend=megatron) every rank scores a data-parallel share of the
     sequences, tensor parallel inside each share; rank 0 gathers and writes (the others return None)."""
@@ -99,6 +99,7 @@ def run_teacher(root: str, run_name: str, iteration: int) -> dict | None:
 
     from sdpo_core.grpo import group_advantages
     from sdpo_core.routing import pass_rates
+    from storage.adopt import adopt_stage
     from storage.checkpoints import resolve_checkpoint
     from storage.manifest import read_stage_manifest, stage_done
     from storage.shard_reader import read_stage_columns
@@ -112,8 +113,10 @@ def run_teacher(root: str, run_name: str, iteration: int) -> dict | None:
     run = open_run(root, run_name)
     cfg = run.cfg
     if stage_done(run.layout, iteration, "teacher"):
-        logger.info("iteration %d teacher stage already committed; reusing it", iteration)
-        return read_stage_manifest(run.layout, iteration, "teacher")
+        # committed by an earlier attempt: checked against its digests before it is reused
+        manifest = adopt_stage(run.layout, iteration, "teacher", hash_files=cfg.storage.verify_sha256)
+        logger.info("iteration %d teacher stage already committed; checked, reusing it", iteration)
+        return manifest
     from storage.faults import crash_point
 
     crash_point("stage.start:teacher", iteration)

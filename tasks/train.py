@@ -105,7 +105,7 @@ def _check_shared(folder: Path, world: int) -> None:
 
 
 def run_train(root: str, run_name: str, iteration: int) -> dict | None:
-    """Training stage of `iteration`: returns its manifest (skips when already committed).
+    """Training stage of `iteration`: returns its manifest (a committed one is checked, then reused).
 
     Its outputs are the checkpoints of `iteration` plus the stage manifest naming them, written
     last. Checkpoints found without that manifest come from an attempt that was killed; they are
@@ -116,6 +116,7 @@ def run_train(root: str, run_name: str, iteration: int) -> dict | None:
     """
     import torch.distributed as dist
 
+    from storage.adopt import adopt_stage
     from storage.cache import adopt_into_cache
     from storage.checkpoints import discard_checkpoint, resolve_checkpoint, upload_checkpoint
     from storage.faults import crash_point
@@ -133,8 +134,10 @@ def run_train(root: str, run_name: str, iteration: int) -> dict | None:
     run = open_run(root, run_name)
     cfg = run.cfg
     if stage_done(run.layout, iteration, "train"):
-        logger.info("iteration %d training already committed; reusing it", iteration)
-        return read_stage_manifest(run.layout, iteration, "train")
+        # committed by an earlier attempt: checked against its digests before it is reused
+        manifest = adopt_stage(run.layout, iteration, "train", hash_files=cfg.storage.verify_sha256)
+        logger.info("iteration %d training already committed; checked, reusing it", iteration)
+        return manifest
     init_parallel(tensor_parallel=cfg.train.tensor_parallel, seed=cfg.seed)
     rank, world = dist.get_rank(), dist.get_world_size()
     if rank == 0:

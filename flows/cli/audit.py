@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -127,15 +127,24 @@ def status(
 def verify(
     run_name: Annotated[str, typer.Argument(help="run name")],
     root: Annotated[str, typer.Option(help="run root (path or URL)")] = "runs",
+    compare: Annotated[
+        str | None, typer.Option("--compare", metavar="OTHER", help="a run of the same config to compare with")
+    ] = None,
+    compare_root: Annotated[str | None, typer.Option(help="run root of the --compare run (default: --root)")] = None,
 ) -> None:
     """Re-hash every committed shard, checkpoint file and manifest of a run against the manifests
-    (and LATEST against its iteration manifest); exits 1 when anything is damaged or missing."""
+    (and LATEST against its iteration manifest); exits 1 when anything is damaged or missing.
+
+    With --compare OTHER, also compare the run with OTHER file by file: two runs of one config
+    commit the same bytes but for the wall-clock fields of their manifests and records, which
+    docs/reliability.md lists and the comparison alone leaves out; exits 1 on any other difference."""
     from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
 
     from storage.layout import RunLayout
     from storage.verify import committed_bytes, verify_run
 
     layout = RunLayout(root, run_name)
+    differences = None if compare is None else _compare(layout, RunLayout(compare_root or root, compare))
     columns = ("{task.description}", BarColumn(), DownloadColumn(), TimeRemainingColumn())
     with Progress(*columns, transient=True) as bar:
         task = bar.add_task(f"verifying {run_name}", total=committed_bytes(layout))
@@ -152,11 +161,34 @@ def verify(
             typer.echo(f"  {folder}")
     if report.ok:
         typer.echo("OK: everything committed matches its manifests")
-        return
-    typer.secho(f"{len(report.problems)} problem(s):", fg=typer.colors.RED, err=True)
-    for url, what in report.problems:
-        typer.secho(f"  {url}: {what}", fg=typer.colors.RED, err=True)
-    raise typer.Exit(1)
+    else:
+        typer.secho(f"{len(report.problems)} problem(s):", fg=typer.colors.RED, err=True)
+        for url, what in report.problems:
+            typer.secho(f"  {url}: {what}", fg=typer.colors.RED, err=True)
+    if differences == []:
+        typer.echo(f"OK: the same files as {compare}, byte for byte but for the wall-clock fields of its records")
+    elif differences:
+        typer.secho(f"{len(differences)} difference(s) from {compare}:", fg=typer.colors.RED, err=True)
+        for line in differences:
+            typer.secho(f"  {line}", fg=typer.colors.RED, err=True)
+    if not report.ok or differences:
+        raise typer.Exit(1)
+
+
+def _compare(layout: Any, other: Any) -> list[str]:
+    """`storage.compare.compare_runs`, failing with a message when either run does not exist."""
+    from storage.compare import compare_runs
+    from storage.errors import StorageError
+
+    for run in (layout, other):
+        if not run.store.exists(run.run_json):
+            fail(f"no run {run.run_name!r} under {run.root_url} (no {run.run_json})")
+    differences: list[str] = []
+    try:
+        differences = compare_runs(layout, other)
+    except StorageError as err:
+        fail(f"cannot compare {layout.run_url} with {other.run_url}: {err}")
+    return differences
 
 
 @app.command()

@@ -10,8 +10,10 @@ Ordering: call `apply_cpu_compat()` after `parallel_state.initialize_model_paral
 `tensor_parallel.model_parallel_cuda_manual_seed()` (the seed call reads the "CUDA" RNG).
 `tasks.megatron.parallel.init_parallel` does exactly that.
 
-One patch is not about the CPU and applies on every device: `patch_sync_save_queue`, which the
-trainer's `save_megatron` applies before each save (a synchronous save needs no spawned process).
+Two patches are not about the CPU and apply on every device; the trainer's `save_megatron` applies
+them before each save: `patch_sync_save_queue` (a synchronous save needs no spawned process) and
+`patch_deterministic_checkpoint_metadata` (a save writes no path, random id or varying order into
+`.metadata`).
 
 Scope and limits:
 - No CPU patch is applied when `torch.cuda.is_available()`; on a GPU machine Megatron runs
@@ -52,6 +54,7 @@ __all__ = [
     "patch_cuda_rng",
     "patch_cuda_tensor_creation",
     "patch_clip_grads",
+    "patch_deterministic_checkpoint_metadata",
     "patch_sync_save_queue",
     "without_device_rewrite",
 ]
@@ -293,6 +296,64 @@ def patch_sync_save_queue() -> None:
         )
     setattr(fs_async, factory, _in_process_results_queue)
     _applied.add("sync_save_queue")
+
+
+def _anonymous_storage_meta(self: Any) -> Any:
+    """What `.metadata` records of the writer that saved it: nothing (no path, no save id)."""
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    return StorageMeta()
+
+
+def _write_result_key(result: Any) -> tuple[str, tuple[int, ...], int]:
+    """Where a written item sits in the state dict: (key, chunk offset, index in a list)."""
+    index = result.index
+    return (index.fqn, () if index.offset is None else tuple(index.offset), -1 if index.index is None else index.index)
+
+
+# megatron-core versions whose `FileSystemWriterAsync` writes torch's `storage_meta()` and the write
+# results in the order its bucket writers report them into `.metadata`.
+_METADATA_WRITTEN_BY = ("0.16.1", "0.19.2")
+
+
+def patch_deterministic_checkpoint_metadata() -> None:
+    """Make a distributed checkpoint's `.metadata` a function of the state saved, so two saves of
+    one training state write the same bytes. Applied on every device.
+
+    Why: `FileSystemWriterAsync.finish` (`dist_checkpointing/strategies/filesystem_async.py`; it
+    defers to torch's `_FileSystemWriter.finish`) pickles into `.metadata`
+    - `self.storage_meta()`: a `StorageMeta` holding the folder it saved to (a temporary folder named
+      after the host and process, `storage/scratch.py`) and a fresh `uuid4()` save id. Neither is
+      read back: loading takes the folder from its caller and sets its own `load_id`;
+    - `storage_data`, a dict filled from the write results in the order the per-bucket writers
+      reported them (forked processes in 0.16.1, threads in 0.19.2): the same entries, in an order
+      that varies from save to save.
+    Left as they are, they make `.metadata`, its checkpoint manifest and every manifest naming that
+    one differ between two runs of one config. The patch gives `FileSystemWriterAsync` a
+    `storage_meta` that records nothing and a `finish` that hands the results on sorted by where
+    each item sits in the state dict. Checked with 0.16.1 (`tests/integration/test_megatron_save.py`)
+    and against the upstream source after 0.19; it refuses another version, and one whose writer
+    defines `storage_meta` itself.
+    """
+    if "deterministic_checkpoint_metadata" in _applied:
+        return
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    version = _megatron_version()
+    if version not in _METADATA_WRITTEN_BY or "storage_meta" in vars(FileSystemWriterAsync):
+        raise RuntimeError(
+            f"megatron-core {version}: patch_deterministic_checkpoint_metadata in tasks/megatron/compat.py was "
+            f"checked with {_METADATA_WRITTEN_BY} only; check what this version's FileSystemWriterAsync "
+            "writes into .metadata and add it"
+        )
+    finish = FileSystemWriterAsync.finish
+
+    def finish_in_order(self: Any, metadata: Any, results: list[list[Any]]) -> None:
+        finish(self, metadata, [sorted((r for rank in results for r in rank), key=_write_result_key)])
+
+    FileSystemWriterAsync.storage_meta = _anonymous_storage_meta
+    FileSystemWriterAsync.finish = finish_in_order
+    _applied.add("deterministic_checkpoint_metadata")
 
 
 def apply_cpu_compat() -> None:

@@ -276,9 +276,10 @@ class MegatronTrainer:
         from megatron.core import dist_checkpointing
 
         from storage.faults import crash_point
-        from tasks.megatron.compat import patch_sync_save_queue
+        from tasks.megatron.compat import patch_deterministic_checkpoint_metadata, patch_sync_save_queue
 
         patch_sync_save_queue()
+        patch_deterministic_checkpoint_metadata()
         out_dir.mkdir(parents=True, exist_ok=True)
         state = self.model.module.sharded_state_dict(prefix="model.")
         state["optimizer"] = self.optimizer.sharded_state_dict(state)

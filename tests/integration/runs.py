@@ -1,9 +1,9 @@
 """Tiny run configs and run fingerprints shared by the pipeline and restart tests.
 
 A fingerprint is what an interrupted run must share with an uninterrupted one: LATEST, every
-committed file's sha256 (shards, checkpoint weights, eval metrics), the set of files in the run
+committed file's sha256 (shards, every checkpoint file, eval metrics), the set of files in the run
 folder, the lineage, and the final policy's sha256. Manifests themselves differ between two runs
-only by their timestamps, so their own digests are not part of it.
+by their wall-clock fields (docs/reliability.md), so their own digests are not part of it.
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def fingerprint(layout: Any) -> dict[str, Any]:
     from storage.checkpoints import lineage
     from storage.layout import CHECKPOINT_KINDS, STAGES
     from storage.manifest import read_latest, read_manifest
-    from storage.stages import EVAL_FILE, read_eval
+    from storage.stages import read_eval
 
     digests: dict[str, str] = {}
     evals: dict[int, dict[str, float]] = {}
@@ -89,18 +89,14 @@ def fingerprint(layout: Any) -> dict[str, Any]:
         for stage in STAGES:
             url = layout.stage_manifest(n, stage)
             if layout.store.exists(url):
-                files = read_manifest(layout, url).data["files"]
-                digests.update({f["path"]: f["sha256"] for f in files if not f["path"].endswith("/" + EVAL_FILE)})
+                digests.update({f["path"]: f["sha256"] for f in read_manifest(layout, url).data["files"]})
         if (metrics := read_eval(layout, n)) is not None:  # timings aside, the evaluation must agree
             evals[n] = {k: v for k, v in metrics.items() if not k.endswith("seconds")}
     for n in layout.checkpoint_iterations():
         for kind in CHECKPOINT_KINDS:
             url = layout.checkpoint_manifest(n, kind)
             if layout.store.exists(url):
-                for f in read_manifest(layout, url).data["files"]:
-                    # the distributed checkpoint's own metadata records where and when it was written
-                    if kind != "megatron" or f["name"].endswith(".pt") or f["name"] == "cursor.json":
-                        digests[f["path"]] = f["sha256"]
+                digests.update({f["path"]: f["sha256"] for f in read_manifest(layout, url).data["files"]})
     files = sorted(layout.relative(u) for u in layout.store.list_files(layout.run_url))
     return {
         "latest": read_latest(layout),

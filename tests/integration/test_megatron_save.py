@@ -67,3 +67,52 @@ def test_a_save_spawns_no_process_and_loads_back_bit_identical(trainer_inputs, t
     after, after_resumed = _state(trainer), _state(resumed)
     for name, value in after.items():
         assert torch.equal(after_resumed[name], value), name
+
+
+def test_two_saves_of_one_state_write_the_same_bytes(trainer_inputs, tmp_path):
+    """Every file of the distributed checkpoint, `.metadata` included (torch's writer records the
+    folder it saved to and a random save id there unless `patch_deterministic_checkpoint_metadata`
+    keeps them out), is the same whichever folder it was saved to; and the state loads back."""
+    from storage.objects import sha256_local_file
+
+    hf, columns = trainer_inputs
+    trainer = _trainer(hf)
+    trainer.train_iteration(columns, iteration=1)
+    first, second = tmp_path / "a" / "state", tmp_path / "elsewhere" / "megatron"
+    trainer.save_megatron(first, iteration=1)
+    trainer.save_megatron(second, iteration=1)
+    names = sorted(p.name for p in first.iterdir())
+    assert ".metadata" in names and names == sorted(p.name for p in second.iterdir())
+    differ = [n for n in names if sha256_local_file(first / n) != sha256_local_file(second / n)]
+    assert differ == []
+    resumed = _trainer(hf)
+    resumed.load_megatron(second)
+    assert all(torch.equal(v, _state(trainer)[k]) for k, v in _state(resumed).items())
+
+
+def test_the_metadata_does_not_depend_on_the_order_the_bucket_writers_report(tmp_path):
+    """The per-bucket writers report their results in the order they finish, which varies from
+    save to save; `.metadata` is the same whatever that order."""
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+    from torch.distributed.checkpoint.storage import WriteResult
+
+    from tasks.megatron.compat import patch_deterministic_checkpoint_metadata
+
+    patch_deterministic_checkpoint_metadata()
+    results = [
+        WriteResult(
+            index=MetadataIndex(fqn=f"w{i % 3}", offset=torch.Size([i, 0]), index=None),
+            size_in_bytes=4,
+            storage_data=_StorageInfo(relative_path=f"__0_{i % 2}.distcp", offset=4 * i, length=4),
+        )
+        for i in range(6)
+    ]
+    written = []
+    for k, order in enumerate([[results[:3], results[3:]], [results[5:1:-1], results[1::-1]]]):
+        folder = tmp_path / str(k)
+        folder.mkdir()
+        FileSystemWriterAsync(folder).finish(Metadata(state_dict_metadata={}), order)
+        written.append((folder / ".metadata").read_bytes())
+    assert written[0] == written[1]

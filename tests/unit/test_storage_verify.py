@@ -10,6 +10,7 @@ import fsspec
 import pytest
 
 from storage import RunLayout, create_or_open_run
+from storage.manifest import content_digest
 from storage.verify import verify_run
 
 
@@ -25,6 +26,7 @@ def layout() -> Iterator[RunLayout]:
 @pytest.mark.parametrize("kind", [["stage"], {"stage": 1}, 7, None], ids=["list", "dict", "int", "null"])
 def test_a_manifest_kind_that_is_no_name_is_reported(layout: RunLayout, kind: object) -> None:
     url = layout.stage_manifest(1, "rollout")
-    layout.store.write_bytes(url, json.dumps({"kind": kind, "files": [], "parents": []}).encode())
+    data = {"kind": kind, "files": [], "parents": []}
+    layout.store.write_bytes(url, json.dumps({**data, "content_sha256": content_digest(data)}).encode())
     report = verify_run(layout)
     assert report.problems == [(url, f"field 'kind' is {kind!r}, expected one of ['checkpoint', 'iteration', 'stage']")]
