@@ -55,6 +55,29 @@ def sample(engine, prompts, **overrides):
     return engine.generate(prompts, **kwargs)
 
 
+def sample_with_widths(engine, prompts, **overrides):
+    """`sample`, and the batch size of each forward the model saw."""
+    widths: list[int] = []
+    handle = engine.model.register_forward_pre_hook(
+        lambda _m, args, kw: widths.append(kw["input_ids"].shape[0]), with_kwargs=True
+    )
+    try:
+        return sample(engine, prompts, **overrides), widths
+    finally:
+        handle.remove()
+
+
+def assert_same_samples(a, b):
+    """The same tokens and finish reasons; log-probs within 1e-5, the same top-K ids."""
+    for group_a, group_b in zip(a, b, strict=True):
+        assert [g.response_ids for g in group_a] == [g.response_ids for g in group_b]
+        assert [g.finish_reason for g in group_a] == [g.finish_reason for g in group_b]
+        for x, y in zip(group_a, group_b, strict=True):
+            np.testing.assert_allclose(x.sampled_logprobs, y.sampled_logprobs, atol=1e-5)
+            np.testing.assert_allclose(x.topk_logprobs, y.topk_logprobs, atol=1e-5)
+            np.testing.assert_array_equal(x.topk_ids, y.topk_ids)
+
+
 def full_logprobs(engine, prompt, response):
     """log_softmax of a plain unpadded forward at the positions predicting each response token: [T, V]."""
     ids = torch.tensor([prompt + response])
@@ -161,25 +184,12 @@ def test_rows_that_stop_leave_the_decode_and_no_sample_changes(checkpoint, promp
     probe = sample(alone, prompts, n=4, max_new_tokens=12, seed=5)
     seconds = [g.response_ids[1] for group in probe for g in group]
     stop = max(set(seconds), key=seconds.count)
-    widths: list[int] = []
-    handle = batched.model.register_forward_pre_hook(
-        lambda _m, args, kw: widths.append(kw["input_ids"].shape[0]), with_kwargs=True
-    )
-    try:
-        together = sample(batched, prompts, n=4, max_new_tokens=12, seed=5, stop_token_ids=[stop])
-    finally:
-        handle.remove()
+    together, widths = sample_with_widths(batched, prompts, n=4, max_new_tokens=12, seed=5, stop_token_ids=[stop])
     single = sample(alone, prompts, n=4, max_new_tokens=12, seed=5, stop_token_ids=[stop])
     lengths = sorted(len(g.response_ids) for group in together for g in group)
     assert lengths[0] < lengths[-1], lengths  # rows stopped at different steps
     assert widths[0] == 12 and min(widths) < 12 and widths == sorted(widths, reverse=True), widths
-    for a, b in zip(together, single, strict=True):
-        assert [g.response_ids for g in a] == [g.response_ids for g in b]
-        assert [g.finish_reason for g in a] == [g.finish_reason for g in b]
-        for x, y in zip(a, b, strict=True):
-            np.testing.assert_allclose(x.sampled_logprobs, y.sampled_logprobs, atol=1e-5)
-            np.testing.assert_allclose(x.topk_logprobs, y.topk_logprobs, atol=1e-5)
-            np.testing.assert_array_equal(x.topk_ids, y.topk_ids)
+    assert_same_samples(together, single)
     batched.close()
     alone.close()
 
@@ -196,26 +206,13 @@ def test_the_static_loop_moves_stopped_rows_to_smaller_buckets_and_no_sample_cha
     # a stop id that rows draw at different steps: the commonest token among the first ten
     firsts = [t for group in probe for g in group for t in g.response_ids[:10]]
     stop = max(set(firsts), key=firsts.count)
-    widths: list[int] = []
-    handle = static.model.register_forward_pre_hook(
-        lambda _m, args, kw: widths.append(kw["input_ids"].shape[0]), with_kwargs=True
-    )
-    try:
-        together = sample(static, prompts, n=4, max_new_tokens=40, seed=5, stop_token_ids=[stop])
-    finally:
-        handle.remove()
+    together, widths = sample_with_widths(static, prompts, n=4, max_new_tokens=40, seed=5, stop_token_ids=[stop])
     single = sample(eager, prompts, n=4, max_new_tokens=40, seed=5, stop_token_ids=[stop])
     lengths = sorted(len(g.response_ids) for group in together for g in group)
     assert lengths[0] < 16 and lengths[-1] > 16, lengths  # some rows stop before the first bucket check
     assert widths[0] == 12 and min(widths) < 12 and widths == sorted(widths, reverse=True), widths
     assert set(widths[1:]) <= set(BUCKETS) | {12}, widths
-    for a, b in zip(together, single, strict=True):
-        assert [g.response_ids for g in a] == [g.response_ids for g in b]
-        assert [g.finish_reason for g in a] == [g.finish_reason for g in b]
-        for x, y in zip(a, b, strict=True):
-            np.testing.assert_allclose(x.sampled_logprobs, y.sampled_logprobs, atol=1e-5)
-            np.testing.assert_allclose(x.topk_logprobs, y.topk_logprobs, atol=1e-5)
-            np.testing.assert_array_equal(x.topk_ids, y.topk_ids)
+    assert_same_samples(together, single)
     static.close()
     eager.close()
 
