@@ -121,7 +121,7 @@ def publish_run(run: Any, tracker: Any, summary: dict[str, Any]) -> None:
             "| stage | seconds |",
             "|---|---|",
             *times,
-            f"| wall time | {summary['seconds']:.1f} |",
+            f"| stages and evaluations | {summary['seconds']:.1f} |",
             "",
             f"Run: `{run.layout.run_url}`",
             "",

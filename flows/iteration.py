@@ -21,6 +21,7 @@ from prefect import flow
 from flows.orchestration import (
     cancelled,
     iteration_run_name,
+    logs_to_flow_run,
     name_flow_run,
     pause_own_schedules,
     quiet_libraries,
@@ -191,6 +192,7 @@ def finish_run(run: Any, tracker: Any, summary: Any) -> None:
 
 
 @flow(name="sdpo-advance", log_prints=False)
+@logs_to_flow_run
 def sdpo_advance(
     config_path: str,
     overrides: list[str] | None = None,

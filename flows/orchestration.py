@@ -1,4 +1,5 @@
-"""What the flows tell Prefect about themselves: run names, final states, schedules, quiet libraries.
+"""What the flows tell Prefect about themselves: run names, final states, schedules, their logs,
+quiet libraries.
 
 Outside a deployment (the CLI, a test calling a flow) there is no deployment to pause; inside one,
 `prefect.runtime` names the deployment and the flow run.
@@ -6,11 +7,17 @@ Outside a deployment (the CLI, a test calling a flow) there is no deployment to 
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import os
 import warnings
+from collections.abc import Callable, Iterator
+from typing import ParamSpec, TypeVar
 
 logger = logging.getLogger(__name__)
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 def iteration_run_name(run: str, iteration: int) -> str:
@@ -63,6 +70,58 @@ def cancelled(message: str):
     from prefect.states import Cancelled
 
     return Cancelled(message=message)
+
+
+OWN_LOGGERS = ("flows", "tasks", "storage", "sdpo_core")
+
+
+class _ToFlowRun(logging.Filter):
+    """Names the flow run on records that carry none (those of threads outside Prefect's context)."""
+
+    def __init__(self, flow_run_id: str) -> None:
+        super().__init__()
+        self.flow_run_id = flow_run_id
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.__dict__.setdefault("flow_run_id", self.flow_run_id)
+        return True
+
+
+@contextlib.contextmanager
+def logs_in_flow_run() -> Iterator[None]:
+    """Send the product's log records (the per-iteration status lines, warnings) to the current
+    flow run's logs in Prefect, at the levels its loggers pass, while the block runs: a run started
+    from the CLI against a server shows them there as a deployment's does. Prefect's own API handler
+    is used; a logger that has one already (PREFECT_LOGGING_EXTRA_LOGGERS) is left as it is. Nothing
+    outside a flow run."""
+    from prefect.logging.handlers import APILogHandler
+    from prefect.runtime import flow_run
+
+    if flow_run.id is None:
+        yield
+        return
+    handler = APILogHandler()
+    handler.addFilter(_ToFlowRun(flow_run.id))
+    loggers = [logging.getLogger(name) for name in OWN_LOGGERS]
+    added = [lg for lg in loggers if not any(isinstance(h, APILogHandler) for h in lg.handlers)]
+    for lg in added:
+        lg.addHandler(handler)
+    try:
+        yield
+    finally:
+        for lg in added:
+            lg.removeHandler(handler)
+
+
+def logs_to_flow_run(body: Callable[P, R]) -> Callable[P, R]:
+    """A flow's body run under `logs_in_flow_run` (put it beneath `@flow`)."""
+
+    @functools.wraps(body)
+    def run(*args: P.args, **kwargs: P.kwargs) -> R:
+        with logs_in_flow_run():
+            return body(*args, **kwargs)
+
+    return run
 
 
 NOISY_LOGGERS = ("httpx", "alembic", "mlflow", "urllib3", "botocore", "werkzeug", "filelock", "torch.distributed")

@@ -1,7 +1,9 @@
 """The CLI's progress bar over a run's iterations: the iteration and stage under way, elapsed time, ETA.
 
 It follows the store, not the flow: a thread reads LATEST and the next iteration's stage manifests
-every couple of seconds, so it shows the same thing whichever process does the work.
+every couple of seconds, so it shows the same thing whichever process does the work. It is the one
+progress display of a run: while it is shown no stage draws its own (`tasks.progress_bars`), and on
+a console that is not a terminal it draws nothing.
 """
 
 from __future__ import annotations
@@ -33,7 +35,10 @@ def describe(layout: Any, latest: int, total: int) -> str:
 
 @contextlib.contextmanager
 def iteration_progress(layout: Any, total: int, console: Any) -> Iterator[None]:
-    """Show the bar on `console` while the body runs (log lines on the same console print above it)."""
+    """Show the bar on `console` while the body runs (log lines on the same console print above it);
+    the stages' own bars stay off meanwhile, in this process and in those it starts."""
+    import os
+
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
@@ -44,6 +49,7 @@ def iteration_progress(layout: Any, total: int, console: Any) -> Iterator[None]:
     )
 
     from storage.manifest import read_latest
+    from tasks.progress_bars import RUN_PROGRESS_ENV
 
     stop = threading.Event()
     columns = (
@@ -65,8 +71,14 @@ def iteration_progress(layout: Any, total: int, console: Any) -> Iterator[None]:
 
         thread = threading.Thread(target=poll, name="sdpo-progress", daemon=True)
         thread.start()
+        before = os.environ.get(RUN_PROGRESS_ENV)
+        os.environ[RUN_PROGRESS_ENV] = "1"
         try:
             yield
         finally:
             stop.set()
             thread.join()
+            if before is None:
+                os.environ.pop(RUN_PROGRESS_ENV)
+            else:
+                os.environ[RUN_PROGRESS_ENV] = before

@@ -8,13 +8,12 @@ base model -> for n in 0..N: complete_iteration(n)  [iteration n, its evaluation
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any
 
 from prefect import flow
 
 from flows.iteration import Prefetch, complete_iteration, finish_run
-from flows.orchestration import name_flow_run, quiet_libraries
+from flows.orchestration import logs_to_flow_run, name_flow_run, quiet_libraries
 from tasks import stages
 from tasks.allocator import keep_freed_heap
 
@@ -31,6 +30,7 @@ def import_libraries(cfg: Any) -> None:
 
 
 @flow(name="sdpo-run", log_prints=False)
+@logs_to_flow_run
 def sdpo_run(
     config_path: str | None = None,
     overrides: list[str] | None = None,
@@ -69,7 +69,6 @@ def sdpo_run(
         tracker = open_tracker(run)
         summary = RunSummary(run_url=layout.run_url, tracking_uri=tracker.uri, loss_type=cfg.loss.type)
 
-        started = time.perf_counter()
         with tracker.system_metrics():
             summary.base_info = stages.prepare_base(cfg.storage.root, cfg.name)
             with Prefetch(run) as prefetch:  # with pipeline.max_staleness k: the next k rollouts during training
@@ -79,6 +78,5 @@ def sdpo_run(
         if latest is None or latest < cfg.iterations:
             raise RuntimeError(f"run {cfg.name!r} ended with LATEST = {latest}, expected {cfg.iterations}")
         summary.close(cfg.iterations)
-        summary.seconds = time.perf_counter() - started
         finish_run(run, tracker, summary)
     return summary.as_dict()

@@ -324,6 +324,30 @@ def read_run_config(layout: RunLayout) -> dict[str, Any]:
     return config
 
 
+def _mismatch(layout: RunLayout, diff_text: str) -> ConfigMismatchError:
+    return ConfigMismatchError(
+        f"run {layout.run_name!r} was created with another config; differences (old -> new):\n{diff_text}\n"
+        "pass allow_config_change=True (sdpo run --allow-config-change) to accept and record the change"
+    )
+
+
+def check_config_unchanged(
+    layout: RunLayout,
+    config: Mapping[str, Any],
+    *,
+    resolve: Callable[[Mapping[str, Any]], Mapping[str, Any]] | None = None,
+) -> None:
+    """Raise the ConfigMismatchError `create_or_open_run` would raise for `config`, reading only;
+    nothing when the run does not exist yet or has this config. Lets a command refuse a changed
+    config before it starts anything; `create_or_open_run` checks again under the run lock."""
+    if not layout.store.exists(layout.run_json):
+        return
+    existing = read_run(layout)["config"]
+    diff = config_diff(resolve(existing) if resolve else existing, json.loads(canonical_json(config)))
+    if diff:
+        raise _mismatch(layout, format_config_diff(diff))
+
+
 def create_or_open_run(
     layout: RunLayout,
     config: Mapping[str, Any],
@@ -362,10 +386,7 @@ def create_or_open_run(
         return existing
     text = format_config_diff(diff)
     if not allow_config_change:
-        raise ConfigMismatchError(
-            f"run {layout.run_name!r} was created with another config; differences (old -> new):\n{text}\n"
-            "pass allow_config_change=True (sdpo run --allow-config-change) to accept and record the change"
-        )
+        raise _mismatch(layout, text)
     change = {
         "changed_at": utc_now(),
         "code_version": code_version(),

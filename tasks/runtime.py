@@ -66,6 +66,16 @@ def start_run(cfg: RunConfig, layout: RunLayout, *, allow_config_change: bool = 
     return Run(layout=run.layout, cfg=run.cfg.model_copy(update={"launch": cfg.launch}))
 
 
+def check_config_unchanged(cfg: RunConfig, layout: RunLayout) -> None:
+    """Raise ConfigMismatchError, with the old -> new differences, when the run exists under a
+    config other than `cfg`: what `start_run` refuses without allow_config_change, found before a
+    command starts Prefect or a flow."""
+    from storage.layout import check_config_unchanged as check_stored
+    from tasks.config import to_dict
+
+    check_stored(layout, to_dict(cfg), resolve=as_read_now)
+
+
 def as_read_now(stored: Mapping[str, Any]) -> Mapping[str, Any]:
     """A stored run config as this code reads it: validated, with the defaults of settings added
     since it was written filled in (a new setting's default keeps the behaviour it did not have).

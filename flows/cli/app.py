@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
@@ -35,23 +36,38 @@ VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="every stage's
 
 def setup_logging(verbose: bool) -> Any:
     """One line per iteration by default; every stage's log lines with --verbose. Returns the
-    console the log lines go to (a progress bar on it keeps below them)."""
+    console the log lines go to (a progress bar on it keeps below them).
+
+    On a terminal the lines are rich's, wrapped to its width; into a pipe or a file each record is
+    one whole line with its time and level (rich would wrap it at 80 columns)."""
     from rich.console import Console
     from rich.logging import RichHandler
 
     from flows.orchestration import quiet_libraries
 
     console = Console(stderr=True)
-    logging.basicConfig(
-        level=logging.INFO if verbose else logging.WARNING,
-        format="%(message)s",
-        handlers=[RichHandler(console=console, show_path=False, rich_tracebacks=False)],
-        force=True,
-    )
+    handler: logging.Handler
+    if console.is_terminal:
+        handler = RichHandler(console=console, show_path=False, rich_tracebacks=False)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+    else:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%Y-%m-%d %H:%M:%S"))
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, handlers=[handler], force=True)
     logging.getLogger("flows").setLevel(logging.INFO)
     if not verbose:
         os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
         quiet_libraries()
+    return console
+
+
+def output_console() -> Any:
+    """The console a command prints its results on (stdout): on a terminal, wrapped to its width;
+    into a pipe or a file, lines are written whole, so a printed command stays one line to copy."""
+    from rich.console import Console
+
+    console = Console()
+    console.soft_wrap = not console.is_terminal
     return console
 
 
@@ -117,6 +133,28 @@ def _start_ephemeral_server_during(work: Callable[[], Any]) -> None:
 def fail(message: str | None) -> None:
     typer.secho(message, fg=typer.colors.RED, err=True)
     raise typer.Exit(2)
+
+
+def announce_run(cfg: Any, config: Path, *, allow_config_change: bool) -> None:
+    """Before a command that trains starts Prefect and imports its libraries (seconds): exit 2 with
+    the old -> new differences when the run exists under another config and the change is not
+    allowed, else say which run starts or resumes, so the first line comes at once."""
+    from storage.errors import ConfigMismatchError
+    from storage.manifest import read_latest
+    from tasks.runtime import check_config_unchanged, run_layout
+
+    layout = run_layout(cfg)
+    if not allow_config_change:
+        try:
+            check_config_unchanged(cfg, layout)
+        except ConfigMismatchError as err:
+            fail(str(err))
+    latest = read_latest(layout)
+    where = f"config {config}, {cfg.iterations} iterations, under {cfg.storage.root}"
+    if latest is None:
+        typer.echo(f"starting run {cfg.name} ({where})", err=True)
+    else:
+        typer.echo(f"resuming run {cfg.name} at iteration {latest}/{cfg.iterations} ({where})", err=True)
 
 
 def load_checked(config: Path, overrides: list[str] | None) -> Any:

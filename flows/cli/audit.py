@@ -12,6 +12,7 @@ from flows.cli.app import (
     OverridesArg,
     app,
     fail,
+    output_console,
     setup_logging,
 )
 
@@ -199,7 +200,6 @@ def gc(
 ) -> None:
     """Apply the run's checkpoint retention (storage.retention): keep what it says and what a resume
     needs, remove the files of the rest (manifests stay, so lineage and verify still check them)."""
-    from rich.console import Console
     from rich.table import Table
 
     from storage.lock import RunLock
@@ -216,7 +216,7 @@ def gc(
         table.add_column(column)
     for d in decisions:
         table.add_row(str(d.iteration), d.kind, f"{d.bytes / 2**20:.1f}", "keep" if d.keep else "prune", d.reason)
-    console = Console()
+    console = output_console()
     console.print(table)
     freed = sum(d.bytes for d in decisions if not d.keep)
     console.print(f"{'would free' if dry_run else 'freed'} {freed / 2**20:.1f} MiB")
@@ -259,7 +259,6 @@ def compare(
 ) -> None:
     """Runs side by side: base, final and best held-out accuracy, avg@n and pass@k, response lengths,
     seconds; greedy accuracy by iteration; and a plot of the curves (all read from the run root)."""
-    from rich.console import Console
     from rich.table import Table
 
     from tasks.tracking.compare import accuracy_rows, read_history, summary_rows, write_plot
@@ -270,7 +269,7 @@ def compare(
             histories.append(read_history(root, name))
         except FileNotFoundError as err:  # no run.json under root
             fail(str(err))
-    console = Console()
+    console = output_console()
     for title, (header, rows) in (
         ("runs", summary_rows(histories)),
         ("eval greedy accuracy by iteration", accuracy_rows(histories)),

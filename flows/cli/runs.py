@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from functools import partial
 from typing import Annotated
 
@@ -13,9 +14,11 @@ from flows.cli.app import (
     ForceUnlockOpt,
     OverridesArg,
     VerboseOpt,
+    announce_run,
     app,
     fail,
     load_checked,
+    output_console,
     prefect_local_mode,
     setup_logging,
 )
@@ -31,10 +34,10 @@ def run(
 ) -> None:
     """Create or resume a run and iterate it to the configured number of iterations, with a progress
     bar (iteration and stage under way, ETA) and a summary table at the end."""
-    from rich.console import Console
-
+    started = time.monotonic()
     log_console = setup_logging(verbose)
     cfg = load_checked(config, overrides)
+    announce_run(cfg, config, allow_config_change=allow_config_change)
     from flows.progress import iteration_progress
     from flows.run import import_libraries, sdpo_run
     from tasks.runtime import run_layout
@@ -45,8 +48,9 @@ def run(
         iteration_progress(run_layout(cfg), cfg.iterations, log_console),
     ):
         summary = sdpo_run(str(config), list(overrides or []), allow_config_change, force_unlock)
-    console = Console()
+    console = output_console()
     console.print(render_table(summary))
+    console.print(f"this `sdpo run` took {time.monotonic() - started:.1f} s (wall time)")
     uri = summary["tracking_uri"]
     console.print("\nInspect the run:")
     console.print(f"  mlflow ui --backend-store-uri {uri} --host 127.0.0.1 --port 5000")
@@ -65,6 +69,7 @@ def advance(
     """Advance a run by one iteration (creating it if needed), as a scheduled deployment does."""
     setup_logging(verbose)
     cfg = load_checked(config, overrides)
+    announce_run(cfg, config, allow_config_change=allow_config_change)
     from flows.iteration import sdpo_advance
     from flows.run import import_libraries
 
@@ -155,7 +160,6 @@ def test_time(
     picks them) against best-of-k sampling of the base model with as many attempts; prints
     discovery@k and writes the plot (also an MLflow artifact and a Prefect artifact). Resumable:
     run it again after an interruption."""
-    from rich.console import Console
     from rich.markdown import Markdown
 
     setup_logging(verbose)
@@ -171,7 +175,7 @@ def test_time(
 
     with prefect_local_mode(cfg.name):
         record = sdpo_test_time(str(config), list(overrides or []), force_unlock)
-    console = Console()
+    console = output_console()
     console.print(Markdown(discovery_markdown(cfg.name, record)))
     console.print(f"\nplot: {cfg.storage.cache_dir}/test_time/{cfg.name}.png (and the MLflow run's artifacts)")
 

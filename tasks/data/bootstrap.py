@@ -130,6 +130,8 @@ def warm_up(
     import torch
     from tqdm.auto import tqdm
 
+    from tasks.progress_bars import bar_disabled
+
     if not data:
         raise ValueError("warm-up data is empty")
     steps, batch_size, lr = schedule.steps, schedule.batch_size, schedule.lr
@@ -171,7 +173,7 @@ def warm_up(
     tokens = 0
     started = time.perf_counter()
     try:
-        with tqdm(range(steps), desc="warm-up", unit="step", disable=not progress) as bar:
+        with tqdm(range(steps), desc="warm-up", unit="step", disable=bar_disabled(progress)) as bar:
             for _ in bar:
                 batch = _batch(tokenizer, [example(rng.choice(data)) for _ in range(batch_size)])
                 loss = model(**batch).loss

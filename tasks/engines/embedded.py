@@ -124,6 +124,8 @@ class EmbeddedEngine(RolloutEngine):
     ) -> list[list[Generation]]:
         from tqdm.auto import tqdm
 
+        from tasks.progress_bars import bar_disabled
+
         model = self.model
         vocab_size = model.config.vocab_size
         max_positions = model.config.max_position_embeddings
@@ -140,7 +142,7 @@ class EmbeddedEngine(RolloutEngine):
         jobs = [(i, j) for i in range(len(prompts)) for j in range(n)]
         results: list[list[Generation]] = [[] for _ in prompts]
         starts = range(0, len(jobs), self._max_batch_size)
-        for start in tqdm(starts, desc="rollout", unit="batch", disable=not progress):
+        for start in tqdm(starts, desc="rollout", unit="batch", disable=bar_disabled(progress)):
             chunk = jobs[start : start + self._max_batch_size]
             uniforms = None
             if params.temperature > 0:

@@ -111,6 +111,7 @@ def score_teacher(
     from tqdm.auto import tqdm
 
     from sdpo_core.teacher_update import trust_region_logits
+    from tasks.progress_bars import bar_disabled
 
     if (reference_model is None) != (trust_region_rate is None):
         raise ValueError(
@@ -131,7 +132,7 @@ def score_teacher(
 
     lengths = [len(p) + len(r) for p, r in sequences]
     results: list[TeacherScores | None] = [None] * len(sequences)
-    for batch in tqdm(pack_batches(lengths, batch_tokens=batch_tokens), desc="teacher", disable=not progress):
+    for batch in tqdm(pack_batches(lengths, batch_tokens=batch_tokens), desc="teacher", disable=bar_disabled(progress)):
         width = max(lengths[i] for i in batch)
         input_ids = torch.zeros((len(batch), width), dtype=torch.long, device=device)  # [B, L], right-padded
         for row, i in enumerate(batch):

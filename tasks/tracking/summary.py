@@ -43,7 +43,8 @@ class RunSummary:
 
     def close(self, last: int) -> None:
         """The accuracy after the run (the evaluation of iteration `last`), and the seconds its stages
-        and evaluations took (a whole-run flow overwrites them with its own wall time)."""
+        and evaluations took, over every iteration whichever process ran it (not a wall time: a
+        resumed run's earlier sessions count, the time between stages does not)."""
         final = self.iterations.get(last, self.before)
         self.after = {k: v for k, v in final.items() if k.startswith("eval/")}
         steps = [self.before, *self.iterations.values()]
@@ -184,5 +185,5 @@ def render_table(summary: dict[str, Any]) -> Any:
         )
     for stage, seconds in summary["stage_seconds"].items():
         table.add_row(f"time in {stage} (s)", "", f"{seconds:.1f}")
-    table.add_row("wall time (s)", "", f"{summary['seconds']:.1f}")
+    table.add_row("time in stages and evaluations (s)", "", f"{summary['seconds']:.1f}")
     return table

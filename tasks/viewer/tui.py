@@ -3,7 +3,8 @@ and one sample with its per-token credit colouring, teacher context and group.
 
 Keys: r / l / d / i sort by reward, length, divergence, sample id (again: reverse); m cycles the
 mask filter, o the route filter (SRPO runs); / focuses the search box; n / p next and previous page; [ / ] previous and next
-iteration; enter opens the highlighted sample; g shows its group; q quits.
+iteration; enter opens the highlighted sample; g shows its group; q quits. The header names the run,
+the iteration, the sort and the filters; the sample list has the focus from the start.
 """
 
 from __future__ import annotations
@@ -53,10 +54,10 @@ class ViewerApp(App):
     """Sample list on the left, the selected sample (or group) on the right."""
 
     TITLE = "sdpo view"
+    # the search box sits below the header (docked at the top it covered the run, iteration and sort)
     CSS = """
     #samples { width: 45%; }
     #side { width: 55%; padding: 0 1; }
-    #search { dock: top; }
     """
     BINDINGS = [
         Binding("r", "sort('reward')", "reward"),
@@ -100,8 +101,11 @@ class ViewerApp(App):
     def on_mount(self) -> None:
         table = self.query_one("#samples", DataTable)
         table.add_columns("id", "group", "reward", "length", "divergence", "mask", "route", "response")
+        # focus now, not after the first page loads: keys pressed while it loads (reading a large
+        # run's index takes a while) would go to the search box, the first widget to take focus,
+        # and the first enter would search instead of opening a sample
+        self.screen.set_focus(table)
         self.reload()
-        table.focus()
 
     # -- list ------------------------------------------------------------------------------------
     def reload(self) -> None:
@@ -140,9 +144,10 @@ class ViewerApp(App):
         s = summary(index)
         order = "desc" if self.descending else "asc"
         shown = f"{self.offset + 1 if self.total else 0}-{min(self.offset + PAGE, self.total)} of {self.total}"
+        # the header's line, most important first (a narrow terminal cuts its end)
         self.sub_title = (
-            f"{self.data.layout.run_name} · iteration {self.iteration} ({s['stage']}) · {shown} · "
-            f"sort {self.sort} {order} · mask {self.mask} · route {self.route} · reward {_fmt(s['reward_mean'])}"
+            f"{self.data.layout.run_name} · iteration {self.iteration} ({s['stage']}) · sort {self.sort} {order} · "
+            f"{shown} · mask {self.mask} · route {self.route} · reward {_fmt(s['reward_mean'])}"
         )
 
     def action_sort(self, key: SortKey) -> None:

@@ -135,3 +135,45 @@ def test_an_srpo_run_shows_routes_their_filter_and_the_entropy_weights(tmp_path)
             assert backgrounds[-len(weights) :] == weights  # after the credit colours
 
     asyncio.run(drive())
+
+
+def test_the_header_shows_run_iteration_and_sort_above_the_search_box(data):
+    from textual.widgets import Header, Input
+
+    async def drive() -> None:
+        app = ViewerApp(data)
+        async with app.run_test(size=(160, 50)) as pilot:
+            await pilot.press("r")
+            await pilot.pause()
+            header, search = app.query_one(Header), app.query_one("#search", Input)
+            assert header.region.height >= 1 and not header.region.overlaps(search.region)
+            # what is drawn on the header's row is the header, with the run, iteration and sort
+            top, _ = app.screen.get_widget_at(header.region.x + header.region.width // 2, header.region.y)
+            assert top is header or header in top.ancestors
+            title = app.query_one("HeaderTitle").render().plain
+            assert "tiny · iteration 1" in title and "sort reward desc" in title
+
+    asyncio.run(drive())
+
+
+def test_the_sample_list_has_the_focus_while_the_first_page_loads(data):
+    """A key pressed while the first page loads (a large run's index takes a while to read) goes to
+    the sample list: the first enter opens a sample, it does not submit an empty search."""
+    focused_while_loading = []
+
+    class Probe(RunData):
+        def index(self, iteration: int):
+            focused_while_loading.append(app.focused)
+            return super().index(iteration)
+
+    app = ViewerApp(Probe(data.layout.root_url, data.layout.run_name))
+
+    async def drive() -> None:
+        async with app.run_test(size=(160, 50)) as pilot:
+            assert focused_while_loading == [app.query_one("#samples")]
+            await pilot.press("enter")
+            await pilot.pause()
+            assert app.selected == int(_column(app, 0)[0])
+            assert app.query_one("#detail").visual.plain.startswith(f"sample {app.selected} ")
+
+    asyncio.run(drive())

@@ -198,6 +198,8 @@ class SGLangEngine(RolloutEngine):
     ) -> list[list[Generation]]:
         from tqdm.auto import tqdm
 
+        from tasks.progress_bars import bar_disabled
+
         if not self._weights.version:
             raise SGLangWeightVersionError("no verified weights are loaded (a weight update failed)")
         if not prompts:
@@ -206,7 +208,7 @@ class SGLangEngine(RolloutEngine):
         if self._check_logprobs and params.temperature > 0:
             await self._weights.probe_logprobs(prompts[0])
 
-        bar = tqdm(total=len(prompts), desc="rollout", unit="prompt", disable=not progress)
+        bar = tqdm(total=len(prompts), desc="rollout", unit="prompt", disable=bar_disabled(progress))
 
         async def group(i: int) -> list[Generation]:
             result = await self._generate_group(i, prompts[i], params)

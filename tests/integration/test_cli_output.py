@@ -1,0 +1,107 @@
+"""What `sdpo run` prints, read as a user reads it: into a pipe, against a Prefect server.
+
+One run of the CLI with stdout and stderr to pipes and PREFECT_API_URL set: its first line comes
+at once, before Prefect and the libraries load; no progress-bar fragment reaches the pipe (no
+carriage returns, no tqdm bars); no line is wrapped (the printed `mlflow ui ...` command is one
+line); the per-iteration status lines are in the flow run's logs on the server. Then the same run
+under a changed config: the old -> new differences on one screen, no traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.integration.runs import write_config
+
+REPO = Path(__file__).resolve().parents[2]
+NAME = "piped"
+
+
+def run_cli(args: list[str], env: dict[str, str]) -> dict[str, Any]:
+    """Run `python -m flows.cli ARGS` with stdout and stderr to pipes; each line with the seconds
+    after the start at which it arrived."""
+    started = time.monotonic()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "flows.cli", *args],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    streams: dict[str, list[tuple[float, bytes]]] = {"stdout": [], "stderr": []}
+
+    def read(name: str, pipe: Any) -> None:
+        for line in iter(pipe.readline, b""):
+            streams[name].append((time.monotonic() - started, line))
+
+    readers = [threading.Thread(target=read, args=(n, getattr(proc, n))) for n in streams]
+    for reader in readers:
+        reader.start()
+    rc = proc.wait(timeout=600)
+    for reader in readers:
+        reader.join()
+    raw = {n: b"".join(line for _, line in lines) for n, lines in streams.items()}
+    return {"rc": rc, "lines": streams, "raw": raw, "text": {n: r.decode() for n, r in raw.items()}}
+
+
+@pytest.fixture(scope="module")
+def piped(tmp_path_factory, prefect_server) -> dict[str, Any]:
+    tmp = tmp_path_factory.mktemp("cli-output")
+    config = write_config(tmp, NAME)
+    env = {**os.environ, "PREFECT_API_URL": prefect_server, "PYTHONUNBUFFERED": "1", "COLUMNS": "80"}
+    env.pop("FORCE_COLOR", None)
+    done = run_cli(["run", str(config)], env)
+    assert done["rc"] == 0, done["text"]["stdout"][-3000:] + done["text"]["stderr"][-3000:]
+    return {**done, "config": config, "env": env, "tracking": f"sqlite:///{tmp / 'mlflow.db'}"}
+
+
+def test_piped_output_has_no_progress_bars_and_no_wrapped_lines(piped):
+    everything = piped["raw"]["stdout"] + piped["raw"]["stderr"]
+    assert b"\r" not in everything and b"\x1b[" not in everything
+    for fragment in ("█", "▏", "it/s", "batch/s", "step/s", "rollout:", "warm-up:", "%|"):
+        assert fragment not in everything.decode(), fragment
+    command = f"mlflow ui --backend-store-uri {piped['tracking']} --host 127.0.0.1 --port 5000"
+    assert f"  {command}\n" in piped["text"]["stdout"]
+    status = [line for line in piped["text"]["stderr"].splitlines() if f"{NAME}: iteration " in line]
+    assert len(status) == 2 and all(line.rstrip().endswith("s") for line in status), status
+    assert all("eval greedy acc" in line for line in status)  # one line each, not cut at 80 columns
+
+
+def test_the_first_line_comes_before_the_libraries_load(piped):
+    (first_at, first), *_ = piped["lines"]["stderr"]
+    assert first.decode().startswith(f"starting run {NAME} (config ")
+    status_at = next(t for t, line in piped["lines"]["stderr"] if b"iteration 1/2 |" in line)
+    # the run's first status line comes after Prefect, torch and the first iteration: many seconds
+    assert first_at < status_at / 2, (first_at, status_at)
+
+
+def test_a_cli_run_against_a_server_has_its_status_lines_in_the_flow_runs_logs(piped, prefect_server):
+    from prefect.client.orchestration import SyncPrefectClient
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName, LogFilter, LogFilterFlowRunId
+
+    client = SyncPrefectClient(prefect_server)
+    (flow_run,) = client.read_flow_runs(
+        flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[f"{NAME}/run-to-0002"]))
+    )
+    logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run.id])))
+    messages = [log.message for log in logs]
+    for n in (1, 2):
+        assert any(f"{NAME}: iteration {n}/2 | reward" in m for m in messages), messages
+
+
+def test_a_changed_config_is_one_screen_without_a_traceback(piped):
+    done = run_cli(["run", str(piped["config"]), "optimizer.lr=0.002"], piped["env"])
+    assert done["rc"] != 0
+    output = done["text"]["stdout"] + done["text"]["stderr"]
+    assert "Traceback" not in output and "File " not in output, output
+    assert len(output.splitlines()) < 25, output
+    assert f"run '{NAME}' was created with another config" in output
+    assert "optimizer.lr: 0.001 -> 0.002" in output and "--allow-config-change" in output
