@@ -212,3 +212,20 @@ def test_fuzz_any_output_or_return_value_is_judged_quickly(pieces, repeat):
     for label in (suite_to_label(FUNCTIONAL_SUITE), suite_to_label(STDIN_SUITE)):
         verdict = timed(partial(code.verify, label=label, truncated=False, run_tests=run), PASS)
         assert verdict.reward in (0.0, 1.0) and not verdict.format_error
+
+
+BAD_LABELS = {"arithmetic": "x", "mcq": "Z", "math": "  ", "tooluse": "[1", "function_call": "{}"}
+
+
+@pytest.mark.parametrize("name", list(BAD_LABELS))
+def test_a_truncated_call_reads_the_label_and_nothing_else(name):
+    """The contract the rollout's verifier worker relies on to tell a malformed label (raised) from a
+    bug on one answer (that answer scores 0): with truncated=True a verifier reads its label, raising
+    on a malformed one, and returns the truncation verdict without reading the answer."""
+    from sdpo_core.verifiers import VERIFIERS
+
+    with pytest.raises((ValueError, TypeError, KeyError)):
+        VERIFIERS[name]("", BAD_LABELS[name], truncated=True)
+    good = {"arithmetic": "42", "mcq": "B", "math": "42", "tooluse": REACT_LABEL, "function_call": CALLS_LABEL}[name]
+    verdict = VERIFIERS[name](object(), good, truncated=True)  # an answer that cannot even be read
+    assert verdict.truncated and verdict.reward == 0.0
