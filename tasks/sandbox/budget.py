@@ -60,7 +60,7 @@ def _serve(name: str, kwargs: dict[str, Any]) -> None:
     from sdpo_core.verifiers import VERIFIERS
 
     verifier = VERIFIERS[name]
-    out = sys.stdout
+    out, sys.stdout = sys.stdout, sys.stderr  # what a verifier prints cannot break the answer lines
     out.write(json.dumps(["ready", None]) + "\n")
     out.flush()
     for line in sys.stdin:

@@ -145,6 +145,8 @@ def _buggy(text, label, *, truncated, **kwargs):
         raise ValueError("Exceeds the limit (4300 digits) for integer string conversion")
     if not truncated and "crash" in text:
         os._exit(3)
+    if "chatty" in text:
+        print("a stray debug line")
     return _real(text, label, truncated=truncated, **kwargs)
 
 
@@ -169,10 +171,11 @@ def test_a_verifier_bug_on_one_answer_costs_that_answer_only(budgeted, buggy_mat
         ("valueerror", "1", False),  # a ValueError on an answer is no label error: the label is fine
         ("crash", "1", False),
         ("\\boxed{2}", "2", False),
+        ("chatty \\boxed{3}", "3", False),  # a print in the verifier is no answer line
         ("\\boxed{3}", "4", False),
     ]
     verdicts = verify.many(requests)
-    assert [v.reward for v in verdicts] == [1.0, 0.0, 0.0, 0.0, 1.0, 0.0]
+    assert [v.reward for v in verdicts] == [1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0]
     assert "OverflowError" in verdicts[1].feedback and "could not be checked" in verdicts[1].feedback
     assert "ValueError" in verdicts[2].feedback
     assert "exit status 3" in verdicts[3].feedback
