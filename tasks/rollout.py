@@ -95,11 +95,20 @@ def effective_top_k(cfg: RunConfig, vocab_size: int) -> int:
 def verify_all(cfg: RunConfig, requests: list[tuple[str, str, bool]]) -> list[Verdict]:
     """The configured verifier's verdicts on (response_text, label, truncated) requests, in order;
     code runs in the sandbox (bounded by its `total_s`), every other verifier in a worker that gets
-    `verifier.time_budget_s` per answer and takes the whole list in one pass (tasks/sandbox/budget.py)."""
+    `verifier.time_budget_s` per answer and takes the whole list in one pass (tasks/sandbox/budget.py).
+
+    Every answer gets a verdict: a verifier that fails on one answer gives that answer 0 with the
+    reason (logged with its traceback), never the batch. What stops the batch is not an answer's
+    doing: a malformed label, or a sandbox that cannot run here (SandboxUnavailable)."""
     if cfg.verifier.name == "code":
+        from sdpo_core.verifiers.code import parse_tests
         from tasks.sandbox.program import verify_code
 
-        return [verify_code(text, label, truncated=cut, **cfg.verifier.kwargs) for text, label, cut in requests]
+        for _, label, _ in requests:
+            parse_tests(label)  # a malformed label is a data error, raised before any answer runs
+        return [
+            _verify_code_answer(verify_code, text, label, cut, cfg.verifier.kwargs) for text, label, cut in requests
+        ]
     from tasks.sandbox.budget import BudgetedVerifier
 
     key = (cfg.verifier.name, json.dumps(cfg.verifier.kwargs, sort_keys=True), cfg.verifier.time_budget_s)
@@ -109,6 +118,19 @@ def verify_all(cfg: RunConfig, requests: list[tuple[str, str, bool]]) -> list[Ve
             cfg.verifier.name, cfg.verifier.kwargs, budget_s=cfg.verifier.time_budget_s
         )
     return verifier.many(requests)
+
+
+def _verify_code_answer(verify_code: Any, text: str, label: str, cut: bool, kwargs: dict[str, Any]) -> Verdict:
+    from tasks.sandbox.budget import failure_verdict
+    from tasks.sandbox.program import SandboxUnavailable
+
+    try:
+        return verify_code(text, label, truncated=cut, **kwargs)
+    except SandboxUnavailable:
+        raise
+    except Exception as err:  # noqa: BLE001 -- the boundary that keeps one answer's failure its own
+        logger.exception("the code verifier failed on an answer, which scores 0")
+        return failure_verdict(f"{type(err).__name__}: {err}")
 
 
 def sample_groups(

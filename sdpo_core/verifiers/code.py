@@ -6,15 +6,17 @@ and returns one raw `Execution` per test; this module judges those executions ag
 expected outputs (which therefore never enter the sandbox) and writes the feedback.
 
 Label: JSON text `{"testtype": "stdin"|"functional"|"assert", "inputs": [...], "outputs": [...],
-"fn_name": str|null, "time_limit": seconds|null, "setup": str}`:
+"fn_name": str|null, "time_limit": seconds|null, "setup": str, "entry_points": [str, ...]}`:
 - `stdin`: each input is fed to the program's standard input; its standard output must match the
-  expected output line by line (surrounding whitespace ignored, numbers compared with a 1e-6
-  tolerance).
+  expected output line by line (`code_outputs.stdout_matches`: integers exactly, floats within
+  1e-6, ASCII digits only).
 - `functional` (LiveCodeBench's call-based tests): each input holds one JSON value per line, the
   positional arguments of `fn_name` (a method of `class Solution` when the program defines one);
-  the return value must equal the expected JSON value.
-- `assert` (HumanEval / MBPP): each input is Python test code run after the program and `setup`;
-  the test passes when it raises nothing. `outputs` is empty.
+  the return value must equal the expected JSON value (`code_outputs.value_matches`).
+- `assert` (HumanEval / MBPP): each input is Python test code, run after `setup` in a namespace that
+  takes from the program only `entry_points` (the sandbox's judge runs it; the program's functions
+  are called across a process boundary); the test passes when it raises nothing. `outputs` is
+  empty.
 
 Feedback follows the judge of the paper's code tasks: the first runtime error (message and last
 executed input), else the first time-limit overrun, else up to `max_cases` wrong answers, shortest
@@ -26,13 +28,14 @@ judge does; a format error or a truncated response shows nothing of the tests.
 from __future__ import annotations
 
 import json
-import math
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from keyword import iskeyword
 from typing import Any, Literal, get_args
 
 from sdpo_core.records import Verdict
+from sdpo_core.verifiers.code_outputs import stdout_matches, value_matches
 
 __all__ = [
     "EXEC_STATUSES",
@@ -67,9 +70,6 @@ TRUNCATED = (
 )
 
 _FENCE = re.compile(r"```[^\n`]*\n(.*?)```", re.DOTALL)
-_NUMBER = re.compile(r"[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?")
-_ABS_TOL = 1e-6
-_REL_TOL = 1e-6
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -84,10 +84,12 @@ class TestSuite:
     fn_name: str | None = None
     time_limit: float | None = None
     setup: str = ""
+    entry_points: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "inputs", tuple(self.inputs))
         object.__setattr__(self, "outputs", tuple(self.outputs))
+        object.__setattr__(self, "entry_points", tuple(self.entry_points))
         if self.testtype not in TEST_TYPES:
             raise ValueError(f"testtype must be one of {TEST_TYPES}, got {self.testtype!r}")
         if not self.inputs:
@@ -97,6 +99,16 @@ class TestSuite:
         if self.testtype == "assert":
             if self.outputs:
                 raise ValueError(f"assert tests carry no outputs, got {len(self.outputs)}")
+            if not self.entry_points:
+                raise ValueError(
+                    "assert tests need entry_points, the names the tests take from the program "
+                    "(labels prepared before they existed: prepare the data again)"
+                )
+            names = [n for n in self.entry_points if isinstance(n, str) and n.isidentifier() and not iskeyword(n)]
+            if len(set(names)) != len(self.entry_points):
+                raise ValueError(f"entry_points must be distinct Python names, got {list(self.entry_points)}")
+        elif self.entry_points:
+            raise ValueError(f"only assert tests take entry_points, got {list(self.entry_points)} for {self.testtype}")
         elif len(self.outputs) != len(self.inputs):
             raise ValueError(f"{len(self.inputs)} test inputs but {len(self.outputs)} outputs")
         if self.testtype == "functional" and not self.fn_name:
@@ -153,7 +165,7 @@ def parse_tests(label: str) -> TestSuite:
     data = json.loads(label)
     if not isinstance(data, dict):
         raise ValueError(f"a code label must be a JSON object, got {type(data).__name__}")
-    unknown = set(data) - {"testtype", "inputs", "outputs", "fn_name", "time_limit", "setup"}
+    unknown = set(data) - {"testtype", "inputs", "outputs", "fn_name", "time_limit", "setup", "entry_points"}
     if unknown:
         raise ValueError(f"unknown keys in code label: {sorted(unknown)}")
     return TestSuite(
@@ -163,22 +175,23 @@ def parse_tests(label: str) -> TestSuite:
         fn_name=data.get("fn_name") or None,
         time_limit=data.get("time_limit"),
         setup=data.get("setup") or "",
+        entry_points=data.get("entry_points") or (),
     )
 
 
 def suite_to_label(suite: TestSuite) -> str:
     """The label text for `suite` (inverse of `parse_tests`)."""
-    return json.dumps(
-        {
-            "testtype": suite.testtype,
-            "inputs": list(suite.inputs),
-            "outputs": list(suite.outputs),
-            "fn_name": suite.fn_name,
-            "time_limit": suite.time_limit,
-            "setup": suite.setup,
-        },
-        ensure_ascii=False,
-    )
+    data: dict[str, Any] = {
+        "testtype": suite.testtype,
+        "inputs": list(suite.inputs),
+        "outputs": list(suite.outputs),
+        "fn_name": suite.fn_name,
+        "time_limit": suite.time_limit,
+        "setup": suite.setup,
+    }
+    if suite.entry_points:
+        data["entry_points"] = list(suite.entry_points)
+    return json.dumps(data, ensure_ascii=False)
 
 
 def extract_code(response_text: str) -> str | None:
@@ -187,54 +200,6 @@ def extract_code(response_text: str) -> str | None:
     if not blocks:
         return None
     return max(blocks, key=len)
-
-
-def _tokens_match(actual: str, expected: str) -> bool:
-    if actual == expected:
-        return True
-    if _NUMBER.fullmatch(actual) is None or _NUMBER.fullmatch(expected) is None:
-        return False
-    a, e = float(actual), float(expected)
-    return math.isclose(a, e, rel_tol=_REL_TOL, abs_tol=_ABS_TOL)
-
-
-def stdout_matches(actual: str, expected: str) -> bool:
-    """Line-by-line comparison; surrounding whitespace and blank trailing lines ignored, numbers with tolerance."""
-    a_lines = [line.split() for line in actual.strip().splitlines()]
-    e_lines = [line.split() for line in expected.strip().splitlines()]
-    if len(a_lines) != len(e_lines):
-        return False
-    for a_tokens, e_tokens in zip(a_lines, e_lines, strict=True):
-        if len(a_tokens) != len(e_tokens):
-            return False
-        if not all(_tokens_match(a, e) for a, e in zip(a_tokens, e_tokens, strict=True)):
-            return False
-    return True
-
-
-def _values_equal(actual: object, expected: object) -> bool:
-    if isinstance(actual, bool) or isinstance(expected, bool):
-        return actual is expected
-    if isinstance(actual, (int, float)) and isinstance(expected, (int, float)):
-        return math.isclose(actual, expected, rel_tol=_REL_TOL, abs_tol=_ABS_TOL)
-    if isinstance(actual, list) and isinstance(expected, list):
-        return len(actual) == len(expected) and all(_values_equal(a, e) for a, e in zip(actual, expected, strict=True))
-    if isinstance(actual, dict) and isinstance(expected, dict):
-        return actual.keys() == expected.keys() and all(_values_equal(actual[k], expected[k]) for k in actual)
-    return type(actual) is type(expected) and actual == expected
-
-
-def value_matches(actual_json: str, expected_json: str) -> bool:
-    """A functional test's return value (JSON text) against the expected JSON text."""
-    try:
-        actual = json.loads(actual_json)
-    except json.JSONDecodeError:
-        return False
-    try:
-        expected = json.loads(expected_json)
-    except json.JSONDecodeError:
-        return actual_json.strip() == expected_json.strip()
-    return _values_equal(actual, expected)
 
 
 def judge(suite: TestSuite, executions: Sequence[Execution]) -> list[TestResult]:

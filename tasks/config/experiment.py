@@ -6,9 +6,19 @@ results depend on."""
 from __future__ import annotations
 
 import string
-from typing import Any, ClassVar, Literal
+from functools import cache
+from typing import Any, ClassVar, Literal, get_type_hints
 
-from pydantic import Field, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    create_model,
+    field_validator,
+    model_validator,
+)
 
 from tasks.config.section import Section
 from tasks.config.source import verifier_parameters
@@ -148,6 +158,12 @@ class VerifierConfig(Section):
         unknown = sorted(set(kwargs) - set(params))
         if unknown:
             raise ValueError(f"{unknown} are not arguments of the {name!r} verifier; it takes {sorted(params)}")
+        try:
+            _kwargs_model(name).model_validate(kwargs)
+        except ValidationError as err:
+            raise ValueError(
+                "; ".join(f"{'.'.join(map(str, e['loc']))}={e['input']!r}: {e['msg']}" for e in err.errors())
+            ) from None
         if name == "code":
             from tasks.sandbox.program import SandboxLimits
 
@@ -156,6 +172,23 @@ class VerifierConfig(Section):
             except (TypeError, ValueError) as err:
                 raise ValueError(str(err)) from None
         return kwargs
+
+
+@cache
+def _kwargs_model(name: str) -> type[BaseModel]:
+    """The verifier's keyword arguments as a strict model of their annotated types: no coercion
+    (`nproc: 2.5`, `partial_credit: maybe` and `memory_mb: '512'` are refused), floats finite."""
+    from sdpo_core.verifiers import VERIFIERS
+
+    if name == "code":
+        from tasks.sandbox.program import SandboxLimits, verify_code
+
+        types = {**get_type_hints(SandboxLimits), **get_type_hints(verify_code)}
+    else:
+        types = get_type_hints(VERIFIERS[name])
+    fields: dict[str, Any] = {k: (types[k], p.default) for k, p in verifier_parameters(name).items()}
+    strict = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+    return create_model(f"{name}_verifier_kwargs", __config__=strict, **fields)
 
 
 class SGLangConfig(Section):

@@ -5,8 +5,12 @@ is the guarantee on top: each call runs in a worker process (started once, with 
 `sdpo_core.verifiers` imported) and is given `budget_s` seconds. A call that overruns, whatever
 it is stuck in (a regular expression, a C-level big-number operation, sympy), has its worker
 killed and scores 0 with feedback saying so; the next call starts a fresh worker. So one answer
-can never stall a rollout. A malformed label still raises (`ValueError` from the verifier, as
-in-process), since that is a data error, not a verdict on the answer.
+can never stall a rollout. Nor can it fail one: a verifier that raises on an answer, or whose worker
+dies on it, gives that answer 0 with the error as its feedback (`failure_verdict`, logged with its
+traceback) and the batch goes on. A malformed label still raises (`ValueError`, as in-process),
+since that is a data error, not a verdict on the answer: when a call fails, the worker calls the
+verifier again on the label alone (`truncated=True`, which every verifier answers after reading its
+label and before reading the answer) to tell the two apart.
 
 `many` judges a rollout's answers in one pass: every request goes down the pipe at once (a writer
 thread) and the answers come back in order, each within its budget, so 512 answers cost one
@@ -26,12 +30,13 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Sequence
 from typing import Any
 
 from sdpo_core.records import Verdict
 
-__all__ = ["BudgetedVerifier", "overrun_verdict"]
+__all__ = ["BudgetedVerifier", "failure_verdict", "overrun_verdict"]
 
 logger = logging.getLogger(__name__)
 
@@ -45,24 +50,43 @@ def overrun_verdict(budget_s: float) -> Verdict:
     )
 
 
+def failure_verdict(reason: str) -> Verdict:
+    """The verdict of an answer the verifier failed on (a bug, not a judgement): 0, saying why."""
+    return Verdict(reward=0.0, feedback=f"The answer could not be checked: the verifier failed ({reason[:500]}).")
+
+
 def _serve(name: str, kwargs: dict[str, Any]) -> None:
     """The worker: one JSON request per line on stdin, one JSON answer per line on stdout."""
     from sdpo_core.verifiers import VERIFIERS
 
     verifier = VERIFIERS[name]
-    out = sys.stdout
+    out, sys.stdout = sys.stdout, sys.stderr  # what a verifier prints cannot break the answer lines
     out.write(json.dumps(["ready", None]) + "\n")
     out.flush()
     for line in sys.stdin:
         text, label, truncated = json.loads(line)
         try:
             verdict = verifier(text, label, truncated=truncated, **kwargs)
-        except ValueError as err:  # a malformed label: re-raised in the caller
-            answer: list[Any] = ["label", str(err)]
+        except Exception as err:  # noqa: BLE001 -- the boundary that keeps one answer's failure its own
+            answer = _failure(verifier, label, kwargs, err)
         else:
             answer = ["ok", [verdict.reward, verdict.feedback, verdict.format_error, verdict.truncated]]
         out.write(json.dumps(answer) + "\n")
         out.flush()
+
+
+def _failure(verifier: Any, label: str, kwargs: dict[str, Any], err: Exception) -> list[Any]:
+    """["label", message] when the label itself is malformed (re-raised in the caller), else
+    ["failed", "Type: message", traceback] (the answer scores 0)."""
+    try:
+        verifier("", label, truncated=True, **kwargs)  # reads the label, judges nothing
+    except Exception as label_err:  # noqa: BLE001 -- any failure on the label alone is the label's
+        return ["label", str(label_err)]
+    return ["failed", f"{type(err).__name__}: {err}", traceback.format_exc()]
+
+
+class _WorkerDied(Exception):
+    """The worker's pipe closed: it died (on the answer being judged, or while starting)."""
 
 
 class BudgetedVerifier:
@@ -89,7 +113,7 @@ class BudgetedVerifier:
                 return None
             chunk = os.read(fd, 1 << 16)
             if not chunk:
-                raise RuntimeError(f"the {self.name} verifier's worker died (exit status {self._process.wait()})")
+                raise _WorkerDied(f"its worker died (exit status {self._process.wait()})")
             self._pending += chunk
         line, _, self._pending = self._pending.partition(b"\n")
         return json.loads(line)
@@ -102,7 +126,12 @@ class BudgetedVerifier:
             bufsize=0,  # raw pipes: requests go out as written, answers are read from the pipe itself
         )
         self._pending = b""
-        if self._answer(_START_S) != ["ready", None]:
+        try:
+            ready = self._answer(_START_S)
+        except _WorkerDied as err:
+            self.close()
+            raise RuntimeError(f"the {self.name} verifier's worker did not start: {err}") from None
+        if ready != ["ready", None]:
             self.close()
             raise RuntimeError(f"the {self.name} verifier's worker did not start within {_START_S:g} s")
 
@@ -139,7 +168,13 @@ class BudgetedVerifier:
         verdicts: list[Verdict] = []
         try:
             for _ in requests:
-                answer = self._answer(self.budget_s)
+                try:
+                    answer = self._answer(self.budget_s)
+                except _WorkerDied as died:  # on this answer: it scores 0, the rest go to a fresh worker
+                    logger.warning("verifier %s: %s on an answer, which scores 0", self.name, died)
+                    self.close()
+                    verdicts.append(failure_verdict(str(died)))
+                    return verdicts
                 if answer is None:
                     logger.warning(
                         "verifier %s: an answer overran its %.3g s budget; its worker was stopped",
@@ -149,9 +184,13 @@ class BudgetedVerifier:
                     self.close()
                     verdicts.append(overrun_verdict(self.budget_s))
                     return verdicts
-                kind, payload = answer
+                kind, payload = answer[0], answer[1]
                 if kind == "label":  # the worker goes (below): requests after it are still queued there
                     raise ValueError(payload)
+                if kind == "failed":
+                    logger.warning("verifier %s failed on an answer, which scores 0:\n%s", self.name, answer[2])
+                    verdicts.append(failure_verdict(payload))
+                    continue
                 reward, feedback, format_error, was_truncated = payload
                 verdicts.append(
                     Verdict(reward=reward, feedback=feedback, format_error=format_error, truncated=was_truncated)

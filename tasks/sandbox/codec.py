@@ -1,4 +1,4 @@
-"""Plain values, and the JSON-lines channel that carries them, across the code sandbox's runner/judge boundary (see tasks/sandbox/harness.py).
+"""Plain values, and the JSON-lines channel that carries them, across the code sandbox's call-process/judge boundary (see tasks/sandbox/harness.py).
 Standard library only: copied into the sandbox beside the harness and imported there as
 `sandbox_codec`; the pipeline's tests import it as `tasks.sandbox.codec`."""
 

@@ -1,4 +1,4 @@
-"""The Python-level guard of the code sandbox's runner (see tasks/sandbox/harness.py). Standard
+"""The Python-level guard of the code sandbox's call processes (see tasks/sandbox/runner.py). Standard
 library only: copied into the sandbox beside the harness and imported there as `sandbox_guard`.
 
 An audit hook, which Python code cannot remove, sees every file, process and network operation
@@ -160,7 +160,7 @@ def _is_directory(path, _stat=os.stat, _is_dir=stat.S_ISDIR, _error=OSError):
 
 
 def _make_hook(*, workdir, read_roots, extension_files, refused_modules, builtin_modules):
-    """The audit hook for a runner whose working directory is `workdir` (absolute, normalised),
+    """The audit hook for a call process whose working directory is `workdir` (absolute, normalised),
     which may also read under `read_roots`, load the extension files `extension_files` ((module
     name, path) pairs) and nothing else native. Separate from install_guard so that tests can call
     it without installing it."""
@@ -262,22 +262,17 @@ def _loaded_extensions(builtin_modules, suffixes):
     return found
 
 
-def install_guard(*, workdir, read_roots, allowed, refused):
-    """Install the guard in this process (the runner, before it runs the program): writes only under
-    `workdir`, reads also under `read_roots` (the standard library's folders: never a directory
-    there, though), no process creation, signals, sockets, ctypes, limits on other processes,
-    symlinks, directory changes or environment changes, and of native modules only the
-    extension modules named in `allowed`. `refused` names modules refused with a plain ImportError
-    at the import statement. Fails when an extension module outside `allowed` is already loaded."""
+def prepare_guard(*, workdir, read_roots, allowed):
+    """What install_guard reads from the file system, read once where the processes that install it
+    are forked from (the zygote): the files of the extension modules named in `allowed` in the
+    folders of `read_roots`, and the absolute forms of `workdir` and `read_roots`. Also loads the
+    allowed built-in modules (once the guard is installed, no built-in module can be created)."""
     import _imp
 
     builtin_modules = frozenset(sys.builtin_module_names)
-    suffixes = tuple(_imp.extension_suffixes())
-    unexpected = sorted(_loaded_extensions(builtin_modules, suffixes) - set(allowed))
-    if unexpected:
-        raise RuntimeError(f"sandbox: extension modules loaded before the guard are not allowed: {unexpected}")
     for name in sorted(builtin_modules & set(allowed)):
-        __import__(name)  # after install no built-in module can be created: load the allowed ones now
+        __import__(name)
+    suffixes = tuple(_imp.extension_suffixes())
     folders = [p.rstrip("/") for p in read_roots if os.path.isdir(p)]
     folders += [os.path.realpath(p) for p in folders]
     extension_files = set()
@@ -286,7 +281,29 @@ def install_guard(*, workdir, read_roots, allowed, refused):
             for suffix in suffixes:
                 if os.path.isfile(f"{folder}/{name}{suffix}"):
                     extension_files.add((name, f"{folder}/{name}{suffix}"))
-    roots = sorted({os.path.normpath(p) for p in read_roots} | {os.path.realpath(p) for p in read_roots})
+    return {
+        "workdir": os.path.realpath(workdir),
+        "read_roots": sorted({os.path.normpath(p) for p in read_roots} | {os.path.realpath(p) for p in read_roots}),
+        "extension_files": frozenset(extension_files),
+        "allowed": frozenset(allowed),
+    }
+
+
+def install_guard(prepared, *, refused):
+    """Install the guard in this process (a call process, before it reads its request) with what
+    prepare_guard read: writes only under its `workdir`, reads also under its `read_roots` (the
+    standard library's folders: never a directory there, though), no process creation, signals,
+    sockets, ctypes, limits on other processes, symlinks, directory changes or environment changes,
+    and of native modules only the extension modules it allows. `refused` names modules refused
+    with a plain ImportError at the import statement. Fails when an extension module outside the
+    allowed ones is loaded (the process was forked from one that loaded it)."""
+    import _imp
+
+    builtin_modules = frozenset(sys.builtin_module_names)
+    suffixes = tuple(_imp.extension_suffixes())
+    unexpected = sorted(_loaded_extensions(builtin_modules, suffixes) - prepared["allowed"])
+    if unexpected:
+        raise RuntimeError(f"sandbox: extension modules loaded before the guard are not allowed: {unexpected}")
     for module_name, names in _REMOVED.items():
         module = sys.modules[module_name]
         for name in names:
@@ -296,9 +313,9 @@ def install_guard(*, workdir, read_roots, allowed, refused):
                 for group in (os.supports_dir_fd, os.supports_fd, os.supports_follow_symlinks):
                     group.discard(function)
     hook = _make_hook(
-        workdir=os.path.realpath(workdir),
-        read_roots=roots,
-        extension_files=extension_files,
+        workdir=prepared["workdir"],
+        read_roots=prepared["read_roots"],
+        extension_files=prepared["extension_files"],
         refused_modules=refused,
         builtin_modules=builtin_modules,
     )

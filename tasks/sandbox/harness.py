@@ -1,9 +1,10 @@
 """The program that runs inside the code sandbox (see tasks/sandbox/program.py). Standard library only.
 
-`tasks.sandbox.program` copies this file into the sandbox, with runner.py (the runner),
-codec.py (plain values and the channel), guard.py (the audit hook) and extensions.py (the native modules the
-program may use) beside it as sandbox_runner.py, sandbox_codec.py, sandbox_guard.py and sandbox_extensions.py,
-and starts it with `python -I -S -B`; it is never imported by the pipeline. Three phases:
+`tasks.sandbox.program` copies this file into the sandbox, with runner.py (the zygote and the call
+processes), codec.py (plain values and the channel), guard.py (the audit hook) and extensions.py (the
+native modules the program may use) beside it as sandbox_runner.py, sandbox_codec.py,
+sandbox_guard.py and sandbox_extensions.py, and starts it with `python -I -S -B`; it is never
+imported by the pipeline. Three phases:
 
 - `setup CONFIG_JSON` (namespace isolation only, run as root inside fresh network / mount / pid /
   ipc / uts namespaces made by `unshare`): joins the sandbox's memory cgroup, builds a minimal root
@@ -11,25 +12,33 @@ and starts it with `python -I -S -B`; it is never imported by the pipeline. Thre
   tmpfs as the working directory), chroots into it, opens the job file (readable by root only),
   drops to an unprivileged uid with no_new_privs, closes every other descriptor and execs the
   `run` phase in a clean interpreter.
-- `start JOB RESULT_FD GUARD UID LIMITS_JSON` (process isolation): sets no_new_privs and execs the
-  `run` phase in a clean interpreter, so that ctypes (which prctl needs) is never loaded where
-  the runner is forked from; the runner could reach it through sys.modules without an import.
-- `run JOB RESULT_FD GUARD UID LIMITS_JSON`: the judge. It applies the resource limits and,
-  before it reads the job, forks the runner, the only process that executes the program. The judge holds the
-  report pipe to the parent; the runner holds none of it (every other descriptor is closed, and the
-  judge is not dumpable, so the runner cannot reach its descriptors through /proc or ptrace). JOB
-  is a descriptor number (namespace isolation) or a path readable by root only (process
-  isolation as root: the runner then drops to UID; "-" keeps the uid).
+- `start JOB RESULT_FD GUARD UID LIMITS_JSON` (process isolation): sets no_new_privs, makes the
+  control socket pair and execs the `run` phase in a clean interpreter, so that neither ctypes
+  (which prctl needs) nor the socket module is ever loaded where the zygote is forked from; a call
+  process could reach them through sys.modules (or their classes) without an import.
+- `run JOB RESULT_FD GUARD UID LIMITS_JSON CONTROL`: the judge. It applies the resource limits, reads
+  the program (the head of the job) and, before it reads the tests, forks the zygote
+  (sandbox_runner), which never runs the program itself but forks one fresh call process per
+  request, the only processes that execute it; only then does the judge load ctypes and the socket
+  module. The judge holds the report pipe to the parent; the zygote and the call processes hold none
+  of it (every other descriptor is closed, and the judge is not dumpable, so no call process reaches
+  its descriptors through /proc or ptrace). JOB is a descriptor number (namespace isolation) or a
+  path readable by root only (process isolation as root: the zygote then drops to UID; "-" keeps the
+  uid); CONTROL is the two descriptors of the control socket pair, "JUDGE,ZYGOTE".
 
-The judge asks the runner, over a private pipe pair, to run one test at a time and reports to the
-parent, one JSON line per event: {"event": "start", "index": i} before a test and {"event":
-"result", "index": i, "status", "output", "error", "stderr"} after it. The runner's answers are
-data only: standard output (stdin tests), the JSON text of a return value (functional tests, judged
-by the parent), or plain values. An `assert` test's code runs in the judge, never in the runner's
-interpreter: the names the program defines are proxies there, each call goes to the runner and its
-result comes back as a plain value (sandbox_codec), so the program cannot exit the test
-run with success, replace the test's functions or builtins, return an object that equals
-everything, or read the test code (the runner was forked before the judge read the job).
+The judge runs one test at a time and reports to the parent, one JSON line per event: {"event":
+"start", "index": i} before a test and {"event": "result", "index": i, "status", "output", "error",
+"stderr"} after it. A stdin or functional test is one request to a fresh call process, answered
+with data only: standard output, or the JSON text of a return value (judged by the parent). An
+`assert` test's code runs in the judge, never in a process that runs the program, in a namespace
+the program cannot shape: the judge's own builtins, the suite's setup (which carries the reference
+definitions of the prompt's helpers) and, from the program, only the suite's entry points. Those are
+proxies: each call goes to a fresh call process (the program's module code, then the one call) and
+its result comes back as a plain value (sandbox_codec) for the test to compare. So the program
+cannot exit the test run with success, replace a builtin or helper the test uses, return an object
+that equals everything, read the test code (the zygote was forked before the judge read it), or
+keep anything from one call to the next (the arguments of a call, which may be a test's expected
+value, die with its process).
 """
 
 import os
@@ -50,11 +59,26 @@ def _prctl(option, value):
         raise OSError(ctypes.get_errno(), f"prctl({option}, {value})")
 
 
+def _control_pair():
+    """The judge's and the zygote's ends of a new socket pair, as "JUDGE,ZYGOTE" (inheritable
+    descriptors). Made here, before the `run` phase's exec, so that the judge has not loaded the
+    socket module when it forks the zygote."""
+    import _socket
+
+    numbers = []
+    for end in _socket.socketpair(_socket.AF_UNIX, _socket.SOCK_STREAM):
+        number = end.detach()
+        os.set_inheritable(number, True)
+        numbers.append(str(number))
+    return ",".join(numbers)
+
+
 def start(arguments):
     """Process isolation: no_new_privs (kept across exec and fork), then the `run` phase in a fresh
     interpreter."""
     _prctl(_PR_SET_NO_NEW_PRIVS, 1)
-    os.execv(sys.executable, [sys.executable, "-I", "-S", "-B", os.path.abspath(__file__), "run", *arguments])
+    harness = os.path.abspath(__file__)
+    os.execv(sys.executable, [sys.executable, "-I", "-S", "-B", harness, "run", *arguments, _control_pair()])
 
 
 if __name__ == "__main__" and sys.argv[1] == "start":  # before the imports of the other phases: it runs none
@@ -68,13 +92,12 @@ import traceback  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the modules copied beside this file
 from sandbox_codec import Channel, CodecError, decode, encode  # noqa: E402
-from sandbox_extensions import ALLOWED, REFUSED  # noqa: E402
-from sandbox_guard import install_guard  # noqa: E402
-from sandbox_runner import Runner, describe  # noqa: E402
+from sandbox_runner import Zygote, answer_bytes, describe  # noqa: E402
 
 del sys.path[0]  # the sandbox's root folder: not a place the program may read from
 
 TEST_FILES = ("<test>", "<test-setup>")
+_MAX_DEBUG = 4096  # the program's output shown with one assert test
 
 # Mount flags (linux/mount.h).
 _MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_REMOUNT, _MS_BIND, _MS_REC = 1, 2, 4, 32, 4096, 16384
@@ -137,13 +160,14 @@ def setup(config):
         config["guard"],
         "-",
         config["limits"],
+        _control_pair(),
     ]
     os.execve(python, argv, config["env"])
 
 
 def _pin_library(first):
     """Process isolation as root, before RLIMIT_NOFILE is lowered to `first`: open the standard
-    library's folders (which the runner's uid may not be able to read) as descriptors numbered
+    library's folders (which the zygote's uid may not be able to read) as descriptors numbered
     from `first`. Past the limit, the program can close them but never put another folder in
     their place (dup2 and open only reach numbers below it), so a path through /proc/self/fd/N
     keeps naming the standard library, which the guard's checks of extension files rely on."""
@@ -168,33 +192,23 @@ def _drop_to(uid, library):
     os.setuid(uid)
 
 
-def _start_runner(guard, uid, output_limit, library):
-    """Fork the runner; returns (channel to it, its pid). Called before the job is read."""
-    to_runner, from_runner = os.pipe(), os.pipe()
+def _start_zygote(program, guard, uid, output_limit, sweep, library, control):
+    """Fork the zygote; returns its pid. Called before the tests are read, and before this process
+    loads anything a call process must not find in its memory (ctypes, the socket module)."""
     pid = os.fork()
     if pid:
-        os.close(to_runner[0])
-        os.close(from_runner[1])
+        os.close(control)
         for fd in library:
             os.close(fd)
-        return Channel(from_runner[0], to_runner[1], max_bytes=4 * output_limit + (1 << 20)), pid
+        return pid
     start = 3
-    for fd in sorted((to_runner[0], from_runner[1], *library)):
-        os.closerange(start, fd)  # the report pipe, the job and the judge's ends: out of the program's reach
+    for fd in sorted((control, *library)):
+        os.closerange(start, fd)  # the report pipe, the job and the judge's end: out of the program's reach
         start = fd + 1
     os.closerange(start, 65536)
     if uid is not None:
         _drop_to(uid, library)
-    if guard == "guard":
-        stdlib = [p for p in sys.path if p]
-        install_guard(
-            workdir=os.getcwd(),
-            read_roots=stdlib + ["/dev/null", "/dev/zero", "/dev/urandom"],
-            allowed=ALLOWED,
-            refused=REFUSED,
-        )
-    channel = Channel(to_runner[0], from_runner[1], max_bytes=1 << 40)
-    Runner(channel, output_limit).serve()
+    Zygote(control, program, guard=guard == "guard", output_limit=output_limit, sweep=sweep).serve()
     os._exit(0)
 
 
@@ -208,76 +222,130 @@ def _set_limits(limits):
 
 # -- the judge ------------------------------------------------------------------------------------
 class _ProgramFailed(Exception):
-    """The program (in the runner) raised, exited or stopped answering during an assert test."""
+    """The program raised, exited or crashed during a call of an assert test."""
+
+
+class _SandboxGone(Exception):
+    """The zygote is gone or could not clean up after a call: the run cannot go on."""
+
+
+def _status_text(status):
+    if os.WIFSIGNALED(status):
+        return f"the program crashed (killed by {signal.Signals(os.WTERMSIG(status)).name})"
+    return f"the program ended the test run abruptly (exit status {os.WEXITSTATUS(status)})"
 
 
 class _Judge:
-    def __init__(self, job, runner, runner_pid, report_fd):
-        self.job, self.runner, self.runner_pid = job, runner, runner_pid
+    def __init__(self, job, zygote, zygote_pid, report_fd, output_limit):
+        self.job, self.zygote, self.zygote_pid = job, zygote, zygote_pid
+        self.control = Channel(zygote.fileno(), zygote.fileno(), max_bytes=1 << 20)
+        self.answer_bytes = answer_bytes(output_limit)
         self.report = os.fdopen(report_fd, "w", encoding="utf-8", buffering=1)
-        self.failure, self.runner_status = "", None
+        self.failure, self.stderr, self.stream_error = "", "", ""
+        self.gone = ""  # why the zygote is gone, once it is: no call can run after that
 
     def send(self, message):
         self.report.write(json.dumps(message) + "\n")
         self.report.flush()
 
-    def ask(self, request):
-        """The runner's answer; _ProgramFailed when it died or answered garbage."""
+    def _zygote_gone(self):
+        os.kill(self.zygote_pid, signal.SIGKILL)  # unreaped, so the pid is still the zygote's
+        self.gone = _status_text(os.waitpid(self.zygote_pid, 0)[1])
+        raise _SandboxGone(self.gone)
+
+    def zygote_says(self):
+        if self.gone:
+            raise _SandboxGone(self.gone)
         try:
-            self.runner.send(request)
-            answer = self.runner.receive()
-        except ValueError:
-            self._stop_runner()
-            raise _ProgramFailed("the program corrupted the sandbox's report channel") from None
-        except BrokenPipeError:
-            answer = None  # the runner is gone
+            message = self.control.receive()
+        except (ValueError, RecursionError):
+            message = None
+        if message is None:
+            self._zygote_gone()
+        return message
+
+    def _pipes(self):
+        """A new call: the judge's ends (write, read) of the pipe pair the zygote made for it."""
+        import socket  # loaded by run() after the zygote was forked
+
+        try:
+            self.control.send({"op": "call"})
+            message, fds, _, _ = socket.recv_fds(self.zygote, 1, 2)
+        except OSError:
+            message, fds = b"", []
+        if message != b"s" or len(fds) != 2:
+            for fd in fds:
+                os.close(fd)
+            self._zygote_gone()
+        return fds
+
+    def ask(self, request):
+        """The answer of a fresh call process to `request`; _ProgramFailed when it died or answered
+        garbage, _SandboxGone when the zygote did."""
+        if self.gone:
+            raise _SandboxGone(self.gone)
+        to_call, from_call = self._pipes()
+        channel = Channel(from_call, to_call, max_bytes=self.answer_bytes)
+        try:
+            channel.send(request)
+            answer = channel.receive()
+        except OSError:  # a closed pipe: the call process is gone
+            answer = None
+        except (ValueError, RecursionError):
+            answer = "corrupt"
+        finally:
+            os.close(to_call)
+            os.close(from_call)
+        done = self.zygote_says()  # the call process and all it left are gone now
+        if done.get("error"):
+            self.gone = str(done["error"])
+            raise _SandboxGone(self.gone)
+        if answer == "corrupt":
+            raise _ProgramFailed("the program corrupted the sandbox's report channel")
         if answer is None:
-            status = self._stop_runner()
-            if os.WIFSIGNALED(status):
-                raise _ProgramFailed(f"the program crashed (killed by {signal.Signals(os.WTERMSIG(status)).name})")
-            raise _ProgramFailed(f"the program ended the test run abruptly (exit status {os.WEXITSTATUS(status)})")
+            raise _ProgramFailed(_status_text(int(done["status"])))
         return answer
 
-    def _stop_runner(self):
-        if self.runner_status is None:
-            os.kill(self.runner_pid, signal.SIGKILL)  # unreaped, so the pid is still the runner's
-            self.runner_status = os.waitpid(self.runner_pid, 0)[1]
-        return self.runner_status
-
-    def call(self, name, args, kwargs):
+    def call(self, index, name, args, kwargs):
         try:
-            request = {"op": "call", "name": name, "args": encode(args), "kwargs": encode(kwargs)}
+            request = {"op": "call", "index": index, "name": name, "args": encode(args), "kwargs": encode(kwargs)}
         except CodecError as exc:
             raise _ProgramFailed(f"the test passes {name}() a value the sandbox cannot send: {exc}") from None
-        answer = self.ask(request)
+        try:
+            answer = self.ask(request)
+        except _ProgramFailed as exc:
+            self.failure = self.failure or str(exc)
+            raise
+        if len(self.stderr) < _MAX_DEBUG and answer.get("stderr"):
+            self.stderr = (self.stderr + "\n" + str(answer["stderr"])).strip()[:_MAX_DEBUG]
+        self.stream_error = self.stream_error or str(answer.get("stream_error") or "")
         if "error" in answer:
-            self.failure = str(answer["error"])
-            raise _ProgramFailed(self.failure)
+            self.failure = self.failure or str(answer["error"])
+            raise _ProgramFailed(str(answer["error"]))
         return decode(answer["value"])
 
-    def proxy(self, name):
+    def proxy(self, index, name):
         def proxy(*args, **kwargs):
-            return self.call(name, args, kwargs)
+            return self.call(index, name, args, kwargs)
 
         proxy.__name__ = proxy.__qualname__ = name
         return proxy
 
     def run_assert(self, index):
-        self.failure = ""
+        """The test code, here in the judge, in a namespace of the judge's builtins, the setup and
+        the entry points; each call of an entry point runs in a fresh call process. A call that
+        failed (raised, exited, crashed) fails the test even when the test code caught the error."""
+        self.failure, self.stderr, self.stream_error = "", "", ""
         status, error = "ok", ""
+        namespace = {"__name__": "__test__", "__builtins__": builtins}
+        namespace.update({name: self.proxy(index, name) for name in self.job["entry_points"]})
         try:
-            loaded = self.ask({"op": "load", "index": index})
-            if "error" in loaded:
-                raise _ProgramFailed(str(loaded["error"]))
-            namespace = {"__name__": "__test__", "__builtins__": builtins}
-            for name, kind in loaded["names"].items():
-                namespace[name] = self.proxy(name) if kind == "callable" else decode(kind[1])
             if self.job["setup"]:
                 exec(compile(self.job["setup"], "<test-setup>", "exec"), namespace)
             exec(compile(self.job["inputs"][index], "<test>", "exec"), namespace)
+        except _SandboxGone:
+            raise  # run() reports this test and skips the rest
         except _ProgramFailed as exc:
-            if self.runner_status is not None:
-                raise  # the runner is gone: run() reports this test and skips the rest
             status, error = "error", str(exc)
         except AssertionError as exc:
             frames = traceback.extract_tb(exc.__traceback__)
@@ -285,41 +353,39 @@ class _Judge:
             error = describe(exc, [])
         except BaseException as exc:  # noqa: BLE001 -- the test code failed on what the program returned
             status, error = "error", self.failure or describe(exc, [])
-        finished = self.ask({"op": "finish"})
-        if finished["error"] and status == "ok":
-            status, error = "error", str(finished["error"])
-        return {"status": status, "output": "", "error": error, "stderr": str(finished["stderr"])}
+        if self.gone:
+            raise _SandboxGone(self.gone)
+        if self.failure and status == "ok":
+            status, error = "error", self.failure
+        if self.stream_error and status == "ok":
+            status, error = "error", self.stream_error
+        return {"status": status, "output": "", "error": error, "stderr": self.stderr}
 
     def run_test(self, index):
         kind = self.job["testtype"]
         if kind == "assert":
             return self.run_assert(index)
         request = {"op": kind, "index": index, "input": self.job["inputs"][index], "fn_name": self.job["fn_name"]}
-        answer = self.ask(request)
-        return {key: str(answer[key]) for key in ("status", "output", "error", "stderr")}
+        try:
+            answer = self.ask(request)
+        except _ProgramFailed as exc:
+            return {"status": "error", "output": "", "error": str(exc), "stderr": ""}
+        return {key: str(answer.get(key, "")) for key in ("status", "output", "error", "stderr")}
 
-    def run(self):
+    def run(self, compile_error):
         n = len(self.job["inputs"])
-        compiled = self.ask({"op": "program", "code": self.job["code"]})
+        if compile_error:
+            self.send({"event": "start", "index": 0})
+            self.send(
+                {"event": "result", "index": 0, "status": "error", "output": "", "error": compile_error, "stderr": ""}
+            )
+            return
         index = 0
         try:
-            if "error" in compiled:
-                self.send({"event": "start", "index": 0})
-                self.send(
-                    {
-                        "event": "result",
-                        "index": 0,
-                        "status": "error",
-                        "output": "",
-                        "error": compiled["error"],
-                        "stderr": "",
-                    }
-                )
-                return
             for index in range(n):
                 self.send({"event": "start", "index": index})
                 self.send({"event": "result", "index": index, **self.run_test(index)})
-        except _ProgramFailed as exc:  # the runner is gone: this test failed, the rest cannot run
+        except _SandboxGone as exc:  # this test failed, the rest cannot run
             self.send(
                 {"event": "result", "index": index, "status": "error", "output": "", "error": str(exc), "stderr": ""}
             )
@@ -337,30 +403,62 @@ class _Judge:
                 )
 
 
-def run(job_source, result_fd, guard, uid, limits):
-    """The judge: limits, then the runner (forked before the job is read), then the tests."""
-    if job_source.isdigit():
-        job_file = os.fdopen(int(job_source), "rb", buffering=0)
-    else:
-        job_file = open(job_source, "rb", buffering=0)  # root-only: opened before the runner drops its uid
+def _read_exactly(fd, size):
+    chunks = []
+    while size > 0:
+        chunk = os.read(fd, min(size, 1 << 20))
+        if not chunk:
+            raise EOFError("the job file ended early")
+        chunks.append(chunk)
+        size -= len(chunk)
+    return b"".join(chunks)
+
+
+def _read_rest(fd):
+    chunks = []
+    while chunk := os.read(fd, 1 << 20):
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def run(job_source, result_fd, guard, uid, limits, control):
+    """The judge: limits, then the zygote (forked when only the program has been read), then the tests.
+
+    The job is `<length>\n`, that many bytes of {"code"}, then the tests' JSON (tasks/sandbox/program.py)."""
+    fd = int(job_source) if job_source.isdigit() else os.open(job_source, os.O_RDONLY)  # root-only file
     if limits["cgroup_procs"]:  # process isolation as root: the judge joins the memory cgroup itself
         with open(limits["cgroup_procs"], "w") as f:
             f.write("0")
     library = [] if uid == "-" else _pin_library(limits["rlimits"]["RLIMIT_NOFILE"])
     _set_limits(limits["rlimits"])
-    runner, pid = _start_runner(guard, None if uid == "-" else int(uid), limits["output_limit"], library)
+    header = b""
+    while not header.endswith(b"\n") and len(header) < 24:
+        header += _read_exactly(fd, 1)
+    program = json.loads(_read_exactly(fd, int(header)))["code"]
+    output_limit = limits["output_limit"]
+    sweep = os.getpid() == 1  # the init of the sandbox's own pid namespace
+    judge_end, zygote_end = (int(number) for number in control.split(","))
+    pid = _start_zygote(program, guard, None if uid == "-" else int(uid), output_limit, sweep, library, zygote_end)
     # No same-uid process may read this one's descriptors or memory. After the fork, so that the
-    # runner holds no ctypes; it runs nothing of the program before the first request, sent below.
+    # zygote holds no ctypes; it runs nothing of the program before the first request, sent below.
     _prctl(_PR_SET_DUMPABLE, 0)
-    job = json.loads(job_file.read())
-    job_file.close()
-    _Judge(job, runner, pid, result_fd).run()
+    import socket  # likewise only after the fork
+
+    zygote = socket.socket(fileno=judge_end)
+    job = json.loads(_read_rest(fd))
+    os.close(fd)
+    judge = _Judge(job, zygote, pid, result_fd, output_limit)
+    try:
+        compiled = judge.zygote_says()
+    except _SandboxGone as exc:
+        compiled = {"error": str(exc)}
+    judge.run(str(compiled.get("error") or ""))
 
 
 if __name__ == "__main__":
     if sys.argv[1] == "setup":
         setup(json.loads(sys.argv[2]))
     elif sys.argv[1] == "run":
-        run(sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5], json.loads(sys.argv[6]))
+        run(sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5], json.loads(sys.argv[6]), sys.argv[7])
     else:
         raise SystemExit(f"unknown phase {sys.argv[1]!r}")

@@ -3,7 +3,7 @@
 Where this process may create memory cgroups and limit them (root with a writable cgroup v1
 `memory` hierarchy, or a cgroup v2 tree that delegates the memory controller; a probe cgroup is
 created and limited once to find out), every sandbox gets a cgroup of its own whose limit
-is `memory_mb`, swap included: the judge, the runner and anything they start share it. Elsewhere
+is `memory_mb`, swap included: the judge, the zygote, its call processes and anything they start share it. Elsewhere
 the limit is split into a budget: each of the at most `processes` processes of the sandbox gets
 RLIMIT_AS = memory_mb / processes, so together they can never map more than `memory_mb`.
 """

@@ -1,12 +1,14 @@
 """Sandboxed execution of model-written programs against a test suite (the code verifier's runner).
 
 One call of `run_program` starts one sandbox (tasks/sandbox/harness.py): a judge process that
-holds the report pipe and a runner process, forked before the judge reads the tests, which is the
-only one executing the program. The judge reports each test's raw output over the pipe; the parent
-enforces the per-test and total wall-clock limits by watching that pipe, and kills the whole
-process group on overrun. Expected outputs never enter the sandbox:
+holds the report pipe, and a zygote, forked before the judge reads the tests, which forks a fresh
+call process for each test (each call, for assert tests): the only processes executing the
+program, none of which sees what an earlier one did. The judge reports each test's raw output over
+the pipe; the parent enforces the per-test and total wall-clock limits by watching that pipe, and
+kills the whole process group on overrun. Expected outputs never enter the sandbox:
 `sdpo_core.verifiers.code.judge` compares them in the parent; assert-style tests run in the judge,
-calling the program's functions through proxies that return plain values.
+in a namespace that takes only the suite's entry points from the program, calling them through
+proxies that return plain values.
 
 Isolation levels (`SandboxLimits.isolation`):
 - "namespace" (Linux, root, `unshare` present): new network, mount, pid, ipc and uts namespaces.
@@ -18,10 +20,11 @@ Isolation levels (`SandboxLimits.isolation`):
   sandbox's init process dies the kernel kills every process left in the pid namespace.
   The network namespace has only a loopback that is down: every connect fails.
 - "process" (opt-in by name, with a warning): a plain child process with no_new_privs, the same
-  rlimits, a scrubbed environment and a fresh temporary working directory; as root the runner
+  rlimits, a scrubbed environment and a fresh temporary working directory; as root the zygote
   drops to a random unprivileged uid. File, network, process and signal restrictions then rest on
-  that uid and on the Python-level guard (an audit hook that admits only the native modules of
-  tasks/sandbox/extensions.py), which a crafted bytecode exploit of the interpreter could bypass.
+  that uid and on the Python-level guard (an audit hook, installed in each call process, that
+  admits only the native modules of tasks/sandbox/extensions.py), which a crafted bytecode exploit
+  of the interpreter could bypass.
 - "auto": "namespace"; where it is unavailable the run is refused (name "process" to accept the
   weaker level).
 Memory: one limit for the whole sandbox (tasks/sandbox/memory.py).
@@ -30,7 +33,7 @@ docs/tasks.md states the guarantees of each level.
 
 One module on purpose (longer than most): starting one sandbox, watching its pipe and killing
 it are one sequence whose security argument reads top to bottom; the parts that stand alone (the
-harness, runner, guard, codec and memory limit) are modules of their own.
+harness, zygote and call processes, guard, codec and memory limit) are modules of their own.
 """
 
 from __future__ import annotations
@@ -56,7 +59,14 @@ from sdpo_core.verifiers import code as code_verifier
 from sdpo_core.verifiers.code import EXEC_STATUSES, Execution, TestRunner, TestSuite
 from tasks.sandbox.memory import address_space_budget, memory_cgroup
 
-__all__ = ["SandboxLimits", "namespace_isolation_available", "run_program", "runner", "verify_code"]
+__all__ = [
+    "SandboxLimits",
+    "SandboxUnavailable",
+    "namespace_isolation_available",
+    "run_program",
+    "runner",
+    "verify_code",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +85,10 @@ _STARTUP_GRACE_S = 5.0  # interpreter start before the first test; counts agains
 _MIB = 2**20
 
 
+class SandboxUnavailable(RuntimeError):
+    """The sandbox cannot run here: every answer would fail alike, so this stops the rollout."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class SandboxLimits:
     """Resource limits of one sandboxed run.
@@ -84,7 +98,8 @@ class SandboxLimits:
     the whole sandbox (a cgroup, else an RLIMIT_AS budget of memory_mb / nproc per process),
     `file_mb` RLIMIT_FSIZE and the cap on one test's captured output, `tmpfs_mb` the size of the
     working directory (namespace isolation), `nproc` RLIMIT_NPROC (processes and threads, the
-    judge and the runner included).
+    judge, the zygote and the call process included). Each value must be of its type and within
+    `_RANGES` (seconds finite and over 0).
     """
 
     per_test_s: float = 6.0
@@ -99,19 +114,42 @@ class SandboxLimits:
     python_guard: bool = True
 
     def __post_init__(self) -> None:
-        if not (self.per_test_s > 0 and self.total_s > 0):
-            raise ValueError(f"time limits must be > 0, got per_test_s={self.per_test_s}, total_s={self.total_s}")
-        for name in ("memory_mb", "stack_mb", "file_mb", "tmpfs_mb", "nproc", "nofile"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"SandboxLimits.{name} must be >= 1, got {getattr(self, name)}")
-        if self.nproc < 2:
-            raise ValueError(f"SandboxLimits.nproc must be >= 2 (the judge and the runner), got {self.nproc}")
+        for name, (low, high) in _RANGES.items():
+            value = getattr(self, name)
+            seconds = name.endswith("_s")
+            if isinstance(value, bool) or not isinstance(value, (int, float) if seconds else int):
+                what = "a number of seconds" if seconds else "an integer"
+                raise TypeError(f"SandboxLimits.{name} must be {what}, got {value!r}")
+            inside = low < value <= high if seconds else low <= value <= high  # false for nan too
+            if not inside:
+                raise ValueError(f"SandboxLimits.{name} must be in {_range_text(name)}, got {value!r}")
         if self.isolation not in ("auto", "namespace", "process"):
             raise ValueError(f"isolation must be auto, namespace or process, got {self.isolation!r}")
+        if not isinstance(self.python_guard, bool):
+            raise TypeError(f"SandboxLimits.python_guard must be true or false, got {self.python_guard!r}")
         if self.isolation == "process" and not self.python_guard:
             raise ValueError(
                 "isolation='process' relies on the Python guard; python_guard=False is only allowed with namespaces"
             )
+
+
+# The bounds of each limit (a config naming a value outside them fails while loading). nproc counts
+# the judge, the zygote and a call process; nofile the descriptors each of them holds.
+_RANGES: dict[str, tuple[float, float]] = {
+    "per_test_s": (0.0, 3600.0),
+    "total_s": (0.0, 86_400.0),
+    "memory_mb": (1, 1 << 20),
+    "stack_mb": (1, 1 << 16),
+    "file_mb": (1, 1024),
+    "tmpfs_mb": (1, 1 << 20),
+    "nproc": (3, 4096),
+    "nofile": (16, 1 << 20),
+}
+
+
+def _range_text(name: str) -> str:
+    low, high = _RANGES[name]
+    return f"(0, {high:g}] seconds" if name.endswith("_s") else f"[{int(low)}, {int(high)}]"
 
 
 @lru_cache(maxsize=1)
@@ -140,7 +178,7 @@ def _isolation(limits: SandboxLimits) -> Literal["namespace", "process"]:
         return "process"
     if namespace_isolation_available():
         return "namespace"
-    raise RuntimeError(
+    raise SandboxUnavailable(
         f"isolation={limits.isolation!r} needs namespace isolation (Linux, root, a working `unshare`), unavailable "
         "here; run as root in a container, or accept the weaker plain-process sandbox by naming it: "
         "verifier.kwargs.isolation=process"
@@ -154,8 +192,8 @@ def _warn_once(message: str) -> None:
 
 def _rlimits(limits: SandboxLimits, *, set_nproc: bool, cgroup: bool) -> dict[str, int]:
     # Without a uid of its own RLIMIT_NPROC cannot bind the sandbox; the guard (mandatory then)
-    # refuses fork, which leaves the judge and the runner.
-    processes = limits.nproc if set_nproc else 2
+    # refuses fork to the program, which leaves the judge, the zygote and one call process.
+    processes = limits.nproc if set_nproc else 3
     out = {
         "RLIMIT_AS": address_space_budget(limits.memory_mb, processes=processes, cgroup=cgroup),
         "RLIMIT_STACK": limits.stack_mb * _MIB,
@@ -237,7 +275,8 @@ def _exit_description(returncode: int | None) -> str:
 def run_program(program: str, suite: TestSuite, *, limits: SandboxLimits = SandboxLimits()) -> list[Execution]:
     """Run `program` on every test of `suite` in a sandbox; one Execution per test, in order.
 
-    Raises RuntimeError only when the sandbox itself is broken (it died before the first test).
+    Raises SandboxUnavailable only when the sandbox cannot run here (the isolation level is missing,
+    or the sandbox died before the first test: a broken installation, not a verdict on the program).
     """
     mode = _isolation(limits)
     per_test = min(limits.per_test_s, suite.time_limit) if suite.time_limit else limits.per_test_s
@@ -249,13 +288,14 @@ def run_program(program: str, suite: TestSuite, *, limits: SandboxLimits = Sandb
             os.chmod(base, 0o711)
             python = os.path.realpath(sys._base_executable)
             uid = random.randrange(*_UID_RANGE) if os.geteuid() == 0 else None
-            job = {
-                "code": program,
+            tests = {
                 "testtype": suite.testtype,
                 "inputs": list(suite.inputs),  # inputs only: expected outputs never enter the sandbox
                 "fn_name": suite.fn_name,
                 "setup": suite.setup,
+                "entry_points": list(suite.entry_points),
             }
+            job = _job_bytes(program, tests)
             run_limits = {
                 "output_limit": limits.file_mb * _MIB,
                 "rlimits": _rlimits(limits, set_nproc=uid is not None, cgroup=cgroup_procs is not None),
@@ -298,7 +338,7 @@ def run_program(program: str, suite: TestSuite, *, limits: SandboxLimits = Sandb
             _kill_group(proc)  # before the cgroup goes: nothing of the sandbox may outlive the run
             if executions is None:
                 stderr = (base / "stderr").read_text(errors="replace")[-2000:]
-                raise RuntimeError(
+                raise SandboxUnavailable(
                     f"the code sandbox ({mode}) failed before running any test "
                     f"({_exit_description(proc.returncode)}): {stderr}"
                 )
@@ -312,10 +352,17 @@ def run_program(program: str, suite: TestSuite, *, limits: SandboxLimits = Sandb
         shutil.rmtree(base, ignore_errors=True)
 
 
-def _write_job(folder: Path, job: dict) -> None:
-    """The job (readable by root only: the runner drops its uid before the judge reads it) and the
-    harness with its modules."""
-    (folder / "job.json").write_text(json.dumps(job), encoding="utf-8")
+def _job_bytes(program: str, tests: dict) -> bytes:
+    """The job file: the program first, behind its length, so the judge can fork the zygote after
+    reading it and before reading the tests."""
+    head = json.dumps({"code": program}).encode()
+    return b"%d\n" % len(head) + head + json.dumps(tests).encode()
+
+
+def _write_job(folder: Path, job: bytes) -> None:
+    """The job (readable by root only: the zygote drops its uid before the judge reads the tests)
+    and the harness with its modules."""
+    (folder / "job.json").write_bytes(job)
     os.chmod(folder / "job.json", 0o400)
     for source, name in _HARNESS_FILES:
         shutil.copyfile(source, folder / name)
@@ -324,7 +371,7 @@ def _write_job(folder: Path, job: dict) -> None:
 
 def _namespace_command(
     base: Path,
-    job: dict,
+    job: bytes,
     *,
     python: str,
     uid: int,
@@ -382,7 +429,7 @@ def _namespace_command(
 
 
 def _process_command(
-    base: Path, job: dict, *, python: str, uid: int | None, result_fd: int, guard: str, run_limits: dict
+    base: Path, job: bytes, *, python: str, uid: int | None, result_fd: int, guard: str, run_limits: dict
 ) -> tuple[list[str], str]:
     """The harness's run phase as a plain child, in a fresh working directory base/work."""
     work = base / "work"

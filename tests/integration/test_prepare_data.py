@@ -229,6 +229,7 @@ def test_humaneval_gzip_and_the_canonical_solution_passes_in_the_sandbox(tmp_pat
     prepare("humaneval", input=str(source), output=str(out))
     rows = read_prepared(str(out))
     assert_schema(rows)
+    assert [code.parse_tests(row["label"]).entry_points for row in rows] == [("add",), ("is_palindrome",)]
     problems = [json.loads(line) for line in Path(fixture("humaneval/HumanEval.jsonl")).read_text().splitlines()]
     for row, problem in zip(rows, problems, strict=True):
         solution = f"```python\n{problem['prompt']}{problem['canonical_solution']}```"
@@ -245,6 +246,9 @@ def test_mbpp_request_file(tmp_path):
     assert_schema(rows)
     suite = code.parse_tests(rows[1]["label"])
     assert suite.testtype == "assert" and suite.setup == "import math" and len(suite.inputs) == 2
+    # the tests take only the function they call: named by the reference solution, else by the tests
+    assert suite.entry_points == ("square",)
+    assert code.parse_tests(rows[0]["label"]).entry_points == ("remove_Occ",)
     assert "assert square(3) == 9" in rows[1]["prompt_messages"][0]["content"]
 
 

@@ -135,6 +135,7 @@ def test_assert_tests_run_after_the_setup(limits):
         testtype="assert",
         inputs=["check(add)", "assert add(1, 1) == 3"],
         setup="def check(candidate):\n    assert candidate(2, 3) == 5\n",
+        entry_points=["add"],
     )
     executions = run_program("def add(a, b):\n    return a + b\n", suite, limits=limits)
     assert [e.status for e in executions] == ["ok", "failed"]
@@ -338,10 +339,10 @@ def test_killing_every_process_it_can_reaches_only_the_sandbox(limits):
 
 
 @pytest.mark.parametrize("limits", ALL)
-def test_exiting_the_interpreter_ends_the_run_with_an_error(limits):
+def test_exiting_the_interpreter_fails_the_test_and_the_next_one_runs_afresh(limits):
     suite = TestSuite(testtype="stdin", inputs=["a", "b"], outputs=["x", "y"])
-    executions = run_program("import os\nos._exit(3)", suite, limits=limits)
-    assert [e.status for e in executions] == ["error", "not_run"]
+    executions = run_program("import os\nif input() == 'a':\n    os._exit(3)\nprint('y')", suite, limits=limits)
+    assert [e.status for e in executions] == ["error", "ok"]
     assert "exit status 3" in executions[0].error
 
 
@@ -373,8 +374,7 @@ def test_garbage_on_the_report_channel_is_an_error_not_a_crash(limits):
     )
     suite = TestSuite(testtype="stdin", inputs=["a", "b"], outputs=["ok", "ok"])
     executions = run_program(program, suite, limits=limits)
-    assert executions[0].status == "error" and "report channel" in executions[0].error
-    assert executions[1].status == "not_run"
+    assert all(e.status == "error" and "report channel" in e.error for e in executions), executions
 
 
 # -- the verifier wired to the sandbox --------------------------------------------------------------
@@ -414,3 +414,37 @@ def test_sandbox_leaves_no_temporary_directories(tmp_path, monkeypatch):
     one("print('ok')", SandboxLimits(isolation="process", **FAST))
     assert list(tmp_path.iterdir()) == []
     assert os.path.isdir(tmp_path)
+
+
+def test_one_answer_cannot_fail_the_batch(monkeypatch):
+    """Return values the comparison used to raise on, and a verifier that fails on one answer: each
+    such answer scores 0 with the reason and the others keep their verdicts."""
+    import tasks.rollout as rollout
+    import tasks.sandbox.program as sandbox
+    from tasks.config import load_config
+
+    cfg = load_config(
+        None, ["verifier.name=code", "verifier.kwargs={per_test_s: 3.0, total_s: 8.0, memory_mb: 512, file_mb: 2}"]
+    )
+    label = suite_to_label(TestSuite(testtype="functional", inputs=["2\n3"], outputs=["5"], fn_name="add"))
+    answers = [
+        "def add(a, b):\n    return a + b\n",
+        "def add(a, b):\n    return 10 ** 400\n",  # OverflowError in the comparison with 5
+        "import sys\nsys.set_int_max_str_digits(0)\ndef add(a, b):\n    return 10 ** 5000\n",  # the int string limit
+        "def add(a, b):\n    return a + b  # boom\n",
+        "def add(a, b):\n    return a - b\n",
+    ]
+    real = sandbox.verify_code
+
+    def failing_on_boom(text, label, **kwargs):
+        if "boom" in text:
+            raise KeyError("a bug that only this answer reaches")
+        return real(text, label, **kwargs)
+
+    monkeypatch.setattr(sandbox, "verify_code", failing_on_boom)
+    verdicts = rollout.verify_all(cfg, [(f"```python\n{a}```", label, False) for a in answers])
+    assert [v.reward for v in verdicts] == [1.0, 0.0, 0.0, 0.0, 0.0]
+    assert verdicts[1].feedback.startswith("Test Case 1: Wrong Answer")
+    assert "could not be checked" in verdicts[3].feedback and "KeyError" in verdicts[3].feedback
+    with pytest.raises((ValueError, KeyError)):  # a malformed label is a data error: it stops the batch
+        rollout.verify_all(cfg, [("```python\npass\n```", '{"inputs": ["1"]}', False)])

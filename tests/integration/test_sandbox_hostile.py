@@ -31,10 +31,13 @@ HUMANEVAL = suite_to_label(
         testtype="assert",
         inputs=["check(add)"],
         setup="def check(candidate):\n    assert candidate(2, 3) == 5\n    assert abs(candidate(0.5, 0.25) - 0.75) < 1e-9\n",
+        entry_points=["add"],
     )
 )
 # MBPP-style: one assert per test
-MBPP = suite_to_label(TestSuite(testtype="assert", inputs=["assert add(2, 3) == 5", "assert add(1, 1) == 2"]))
+MBPP = suite_to_label(
+    TestSuite(testtype="assert", inputs=["assert add(2, 3) == 5", "assert add(1, 1) == 2"], entry_points=["add"])
+)
 STDIN = suite_to_label(TestSuite(testtype="stdin", inputs=["2 3\n"], outputs=["5\n"]))
 FUNCTIONAL = suite_to_label(TestSuite(testtype="functional", inputs=["2\n3"], outputs=["5"], fn_name="add"))
 WRONG = "def add(a, b):\n    return a - b\n"  # what the hacks below wrap: a wrong solution
@@ -278,6 +281,16 @@ def test_output_just_under_the_limit_is_read_whole_and_fast(limits):
     assert time.monotonic() - started < 3.0  # the quadratic reader took 14 s
 
 
+@pytest.mark.parametrize("limits", ALL)
+def test_output_of_control_characters_just_under_the_limit_is_judged(limits):
+    """JSON escapes a control character to six bytes (\\u0001): the channels carry that much."""
+    limits = SandboxLimits(**{**limits.__dict__, "file_mb": 16, "per_test_s": 10.0, "total_s": 20.0})
+    started = time.monotonic()
+    execution = one("import sys\nsys.stdout.write('\\x01' * (15 * 2**20))", limits)
+    assert execution.status == "ok" and execution.output == "\x01" * (15 * 2**20), execution.error
+    assert time.monotonic() - started < 8.0
+
+
 @pytest.mark.parametrize("limits", NAMESPACE_LEVELS)
 def test_forked_processes_share_one_memory_limit(limits):
     """8 children holding 100 MiB each under memory_mb=256: at most two survive (the others are
@@ -314,7 +327,7 @@ ATTEMPTS = {
     "reward hacks on assert suites": len(REWARD_HACKS) * 2 * len(ALL),
     "the same kinds on stdin and functional suites": (5 * 2 + 1) * len(ALL),
     "process-level escapes": 15 * len(ALL) - 1,
-    "output and memory": 2 * len(ALL) + len(NAMESPACE_LEVELS),
+    "output and memory": 3 * len(ALL) + len(NAMESPACE_LEVELS),
 }
 
 

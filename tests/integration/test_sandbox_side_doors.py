@@ -344,6 +344,27 @@ def test_ctypes_is_out_of_reach(limits):
     assert listing.output.strip() == "[]", listing
 
 
+REACHABLE_NATIVE = """
+import sys
+seen, todo = set(), [object]
+while todo:
+    for sub in type.__subclasses__(todo.pop()):
+        if sub not in seen:
+            seen.add(sub)
+            todo.append(sub)
+native = {"_ctypes", "ctypes", "_socket", "socket"}
+print(sorted(m for m in sys.modules if m.split(".")[0] in native), sorted({c.__module__ for c in seen} & native))
+"""
+
+
+@pytest.mark.parametrize("limits", GUARDED)
+def test_no_process_running_the_program_was_forked_with_ctypes_or_sockets(limits):
+    """The judge loads ctypes and the socket module only after it forked the zygote, and the zygote
+    never loads them: neither their modules nor their classes are in a call process."""
+    execution = one(REACHABLE_NATIVE, limits)
+    assert execution.status == "ok" and execution.output.strip() == "[] []", execution
+
+
 # -- rewriting what the guard calls -------------------------------------------------------------------
 TAMPERING = {
     "the guard module's globals": (
@@ -503,7 +524,7 @@ def test_normal_programs_still_run(limits, tmp_path):
 
 
 # Test cases per level run above; docs/tasks.md counts them.
-ATTEMPTS = {"side doors of the guard": (6 + len(TAMPERING) + 1) * len(ALL) + 3 * len(GUARDED)}
+ATTEMPTS = {"side doors of the guard": (6 + len(TAMPERING) + 1) * len(ALL) + 4 * len(GUARDED)}
 
 
 def test_the_documented_count_is_the_attempts_made_here():

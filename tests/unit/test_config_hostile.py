@@ -53,11 +53,37 @@ def test_a_field_error_names_the_file_and_line(tmp_path):
             r"\['allow_last_numbr'\] .* 'math' .* \['allow_last_number', 'reveal_answer'\]",
         ),
         ("code", "{memory: 512}", r"\['memory'\] .* 'code' verifier; it takes \[.*'memory_mb'"),
-        ("code", "{isolation: chroot}", r"isolation must be auto, namespace or process"),
-        ("code", "{nproc: 1}", r"nproc must be >= 2"),
+        ("code", "{isolation: chroot}", r"isolation='chroot': Input should be 'auto', 'namespace' or 'process'"),
+        ("code", "{nproc: 1}", r"nproc must be in \[3, 4096\], got 1"),
     ],
 )
 def test_verifier_kwargs_are_checked_against_the_verifier(tmp_path, name, kwargs, message):
+    path = write(tmp_path, f"verifier:\n  name: {name}\n  kwargs: {kwargs}\n")
+    with pytest.raises(ConfigError, match=rf"{path}:3: verifier.kwargs: .*{message}"):
+        load_config(path)
+
+
+@pytest.mark.parametrize(
+    ("name", "kwargs", "message"),
+    [
+        ("code", "{total_s: .inf}", r"total_s=inf: Input should be a finite number"),
+        ("code", "{per_test_s: .inf}", r"per_test_s=inf: Input should be a finite number"),
+        ("code", "{per_test_s: .nan}", r"per_test_s=nan: Input should be a finite number"),
+        ("code", "{nproc: 2.5}", r"nproc=2.5: Input should be a valid integer"),
+        ("code", "{nproc: true}", r"nproc=True: Input should be a valid integer"),
+        ("code", "{memory_mb: '512'}", r"memory_mb='512': Input should be a valid integer"),
+        ("code", "{partial_credit: maybe}", r"partial_credit='maybe': Input should be a valid boolean"),
+        ("code", "{python_guard: 'no'}", r"python_guard='no': Input should be a valid boolean"),
+        ("code", "{total_s: 100000.0}", r"total_s must be in \(0, 86400\] seconds, got 100000.0"),
+        ("code", "{nofile: 100000000}", r"nofile must be in \[16, 1048576\], got 100000000"),
+        ("math", "{allow_last_number: maybe}", r"allow_last_number='maybe': Input should be a valid boolean"),
+        ("mcq", "{letters: 5}", r"letters=5: Input should be a valid string"),
+        ("tooluse", "{detailed_feedback: 1}", r"detailed_feedback=1: Input should be a valid boolean"),
+    ],
+)
+def test_verifier_kwargs_are_typed_finite_and_in_range(tmp_path, name, kwargs, message):
+    """Each of these passed the old check and then crashed every verification (or silently turned a
+    switch on); now the config fails to load, naming the field."""
     path = write(tmp_path, f"verifier:\n  name: {name}\n  kwargs: {kwargs}\n")
     with pytest.raises(ConfigError, match=rf"{path}:3: verifier.kwargs: .*{message}"):
         load_config(path)

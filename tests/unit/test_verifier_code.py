@@ -138,7 +138,7 @@ def test_judge_requires_one_execution_per_test_in_order():
 
 
 def test_assert_tests_pass_without_outputs_and_fail_as_wrong_answers():
-    suite = TestSuite(testtype="assert", inputs=["assert f(1) == 2", "assert f(2) == 4"])
+    suite = TestSuite(testtype="assert", inputs=["assert f(1) == 2", "assert f(2) == 4"], entry_points=["f"])
     results = judge(suite, [ok(0, ""), Execution(index=1, status="failed", error="AssertionError")])
     assert [r.outcome for r in results] == ["passed", "wrong_answer"]
 
@@ -275,3 +275,81 @@ def test_functional_labels_from_livecodebench_are_judged_as_json():
 def test_execution_rejects_unknown_statuses():
     with pytest.raises(ValueError, match="status"):
         Execution(index=0, status="passed")
+
+
+# -- exact integers, ASCII digits, any output judged ---------------------------------------------
+@pytest.mark.parametrize(
+    ("actual", "expected"),
+    [
+        ("1000000008", "1000000007"),  # a*b % (10**9 + 7) + 1: one off a competitive-programming answer
+        ("10000010", "10000000"),
+        ("-1000001", "-1000000"),
+        ("9" * 5000, "9" * 4999 + "8"),  # both beyond a float's range
+        ("1e400", "2e400"),
+        ("٤٢", "42"),  # Arabic-Indic digits
+        ("４２", "42"),  # fullwidth digits
+        ("4\u20032", "4 2"),  # an em space is not a token separator
+    ],
+)
+def test_integer_tokens_compare_exactly_and_only_in_ascii(actual, expected):
+    assert stdout_matches(actual, expected) is False
+
+
+@pytest.mark.parametrize(
+    ("actual", "expected"),
+    [
+        ("1000000007", "1000000007"),
+        ("+7", "7"),
+        ("007", "7"),
+        ("-0", "0"),
+        ("1000000007.0", "1000000007"),  # one side is a float: the tolerance applies
+        ("1e9", "1000000000"),
+        ("9" * 5000, "9" * 5000),
+        ("3\r\n4\r\n", "3\n4"),
+    ],
+)
+def test_equal_numbers_still_match(actual, expected):
+    assert stdout_matches(actual, expected) is True
+
+
+@pytest.mark.parametrize(
+    ("actual", "expected", "same"),
+    [
+        ("1000001", "1000000", False),
+        ("[10000010]", "[10000000]", False),
+        ("1000000.0000001", "1000000", True),  # a float on one side: the tolerance applies
+        ("1" + "0" * 400, "5", False),  # an int beyond a float's range: OverflowError in isclose
+        ("1" + "0" * 400, "5.0", False),
+        ("1" + "0" * 400, "1" + "0" * 400, True),
+        ("7" * 10_000, "7" * 10_000, True),  # past the int string limit: ValueError in json.loads
+        ("7" * 10_000, "7" * 9_999 + "6", False),
+        ("[" * 100_000 + "]" * 100_000, "[]", False),  # RecursionError in json.loads
+        ("[" * 900 + "]" * 900, "[" * 900 + "]" * 900, False),  # nested past any real answer
+        ("NaN", "1", False),
+        ("1e400", "2e400", False),  # both overflow to infinity
+        ("Infinity", "1e999", False),
+    ],
+)
+def test_return_values_compare_ints_exactly_and_never_raise(actual, expected, same):
+    assert value_matches(actual, expected) is same
+
+
+@pytest.mark.parametrize(
+    "output",
+    [
+        "1" + "0" * 400,
+        "-" + "9" * 100_000,
+        "[" * 100_000,
+        "[" * 50_000 + "]" * 50_000,
+        '{"a": ' * 10_000 + "1" + "}" * 10_000,
+        "\x00\x01\x1c\x1d\x1e\x85" * 100_000,
+        "1e999999",
+    ],
+)
+def test_any_return_value_or_output_gets_a_verdict(output):
+    functional = TestSuite(testtype="functional", inputs=["1", "2"], outputs=["5", "5.0"], fn_name="f")
+    stdin = TestSuite(testtype="stdin", inputs=["1", "2"], outputs=["5", "5.0"])
+    for suite in (functional, stdin):
+        run = fake_runner(ok(0, output), ok(1, output))
+        verdict = verify(PROGRAM, suite_to_label(suite), truncated=False, run_tests=run)
+        assert verdict.reward == 0.0 and verdict.feedback.startswith("Test Case 1: Wrong Answer")

@@ -10,9 +10,10 @@ from __future__ import annotations
 import gc
 import json
 import time
+from functools import partial
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from sdpo_core.records import Verdict
@@ -184,3 +185,47 @@ def test_fuzz_every_verifier_stays_within_its_time_bound(name, pieces, repeat):
 @pytest.mark.parametrize("name", list(VERIFIERS))
 def test_fuzz_every_verifier_on_arbitrary_text(name, text):
     timed(VERIFIERS[name], text)
+
+
+FUNCTIONAL_SUITE = TestSuite(testtype="functional", inputs=["1"], outputs=['[1000000007, 2.5, "x"]'], fn_name="f")
+STDIN_SUITE = TestSuite(testtype="stdin", inputs=["1"], outputs=["1000000007 2.5\nx"])
+OUTPUT_PIECES = st.sampled_from(
+    '[ ] { } , : " . e E400 - + 1 2.5 1000000007 NaN Infinity null true ٤'.split(" ")
+    + [" ", "\n", "\x00", "\x1c", "\u2028", "0" * 50, "9" * 500]
+)
+
+
+PASS = "```python\npass\n```"
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(pieces=st.lists(OUTPUT_PIECES, max_size=300), repeat=st.integers(min_value=1, max_value=200))
+@example(pieces=["9" * 500], repeat=10)  # past the int string limit: json.loads raised ValueError
+@example(pieces=["["], repeat=200)
+def test_fuzz_any_output_or_return_value_is_judged_quickly(pieces, repeat):
+    """Whatever a program prints or returns, judging it gives a verdict within the time bound."""
+    output = "".join(pieces) * repeat
+
+    def run(program: str, suite: TestSuite) -> list[Execution]:
+        return [Execution(index=0, status="ok", output=output)]
+
+    for label in (suite_to_label(FUNCTIONAL_SUITE), suite_to_label(STDIN_SUITE)):
+        verdict = timed(partial(code.verify, label=label, truncated=False, run_tests=run), PASS)
+        assert verdict.reward in (0.0, 1.0) and not verdict.format_error
+
+
+BAD_LABELS = {"arithmetic": "x", "mcq": "Z", "math": "  ", "tooluse": "[1", "function_call": "{}"}
+
+
+@pytest.mark.parametrize("name", list(BAD_LABELS))
+def test_a_truncated_call_reads_the_label_and_nothing_else(name):
+    """The contract the rollout's verifier worker relies on to tell a malformed label (raised) from a
+    bug on one answer (that answer scores 0): with truncated=True a verifier reads its label, raising
+    on a malformed one, and returns the truncation verdict without reading the answer."""
+    from sdpo_core.verifiers import VERIFIERS
+
+    with pytest.raises((ValueError, TypeError, KeyError)):
+        VERIFIERS[name]("", BAD_LABELS[name], truncated=True)
+    good = {"arithmetic": "42", "mcq": "B", "math": "42", "tooluse": REACT_LABEL, "function_call": CALLS_LABEL}[name]
+    verdict = VERIFIERS[name](object(), good, truncated=True)  # an answer that cannot even be read
+    assert verdict.truncated and verdict.reward == 0.0

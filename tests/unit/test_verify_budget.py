@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import time
 
 import pytest
@@ -128,3 +129,55 @@ def test_an_interrupt_while_answers_are_read_stops_the_worker_and_returns(budget
     assert verify._process is None and verify._writer is None
     verify._answer = read
     assert [v.reward for v in verify.many([("\\boxed{3}", "3", False)])] == [1.0]
+
+
+BUGGY_MATH = """
+import os
+import sdpo_core.verifiers as verifiers
+
+_real = verifiers.VERIFIERS["math"]
+
+
+def _buggy(text, label, *, truncated, **kwargs):
+    if not truncated and "overflow" in text:
+        raise OverflowError("int too large to convert to float")
+    if not truncated and "valueerror" in text:
+        raise ValueError("Exceeds the limit (4300 digits) for integer string conversion")
+    if not truncated and "crash" in text:
+        os._exit(3)
+    if "chatty" in text:
+        print("a stray debug line")
+    return _real(text, label, truncated=truncated, **kwargs)
+
+
+verifiers.VERIFIERS["math"] = _buggy
+"""
+
+
+@pytest.fixture
+def buggy_math(tmp_path, monkeypatch):
+    """The math verifier, in the worker only, with a bug on some answers (raises, or kills the worker)."""
+    import os
+
+    (tmp_path / "sitecustomize.py").write_text(BUGGY_MATH)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), *sys.path]))
+
+
+def test_a_verifier_bug_on_one_answer_costs_that_answer_only(budgeted, buggy_math):
+    verify = budgeted("math", 30.0)
+    requests = [
+        ("\\boxed{1}", "1", False),
+        ("overflow", "1", False),
+        ("valueerror", "1", False),  # a ValueError on an answer is no label error: the label is fine
+        ("crash", "1", False),
+        ("\\boxed{2}", "2", False),
+        ("chatty \\boxed{3}", "3", False),  # a print in the verifier is no answer line
+        ("\\boxed{3}", "4", False),
+    ]
+    verdicts = verify.many(requests)
+    assert [v.reward for v in verdicts] == [1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0]
+    assert "OverflowError" in verdicts[1].feedback and "could not be checked" in verdicts[1].feedback
+    assert "ValueError" in verdicts[2].feedback
+    assert "exit status 3" in verdicts[3].feedback
+    with pytest.raises(ValueError, match="label"):  # a malformed label still stops the batch
+        verify.many([("overflow", "   ", False)])
