@@ -85,6 +85,32 @@ def _tile_fns(compile: bool) -> tuple[Any, Any]:
     return _COMPILED["lse"], _COMPILED["grad"]
 
 
+def _vocabulary_columns(
+    logits: Tensor,
+    *,
+    chunk_tokens: int,
+    chunk_vocab: int | None,
+    vocab_size: int | None,
+    vocab_start: int,
+    sharded: bool,
+) -> tuple[int, int]:
+    """(the global vocabulary size, how many of this shard's columns lie below it), after checking
+    the chunk sizes and that an unsharded call has a column to score."""
+    if chunk_tokens < 1 or (chunk_vocab is not None and chunk_vocab < 1):
+        raise ValueError(f"chunk sizes must be >= 1, got chunk_tokens={chunk_tokens}, chunk_vocab={chunk_vocab}")
+    local = logits.shape[1]
+    if vocab_size is None:
+        if sharded or vocab_start:
+            raise ValueError("a vocabulary shard needs vocab_size (the unpadded global vocabulary)")
+        vocab_size = local
+    valid = max(0, min(local, vocab_size - vocab_start))
+    if not sharded and valid < 1:
+        raise ValueError(
+            f"no vocabulary column below vocab_size={vocab_size} in [{vocab_start}, {vocab_start + local})"
+        )
+    return vocab_size, valid
+
+
 def _spans(total: int, size: int) -> list[tuple[int, int]]:
     return [(start, min(start + size, total)) for start in range(0, total, size)]
 
@@ -172,18 +198,10 @@ def chunked_token_logprobs(
         raise ValueError(f"logits must be [M, V], got {tuple(logits.shape)}")
     if rows.ndim != 1 or ids.ndim != 2 or ids.shape[0] != rows.shape[0]:
         raise ValueError(f"rows must be [N] and ids [N, K], got {tuple(rows.shape)} and {tuple(ids.shape)}")
-    if chunk_tokens < 1 or (chunk_vocab is not None and chunk_vocab < 1):
-        raise ValueError(f"chunk sizes must be >= 1, got chunk_tokens={chunk_tokens}, chunk_vocab={chunk_vocab}")
-    local = logits.shape[1]
-    if vocab_size is None:
-        if reducer is not None or vocab_start:
-            raise ValueError("a vocabulary shard needs vocab_size (the unpadded global vocabulary)")
-        vocab_size = local
-    valid = max(0, min(local, vocab_size - vocab_start))
-    if reducer is None and valid < 1:
-        raise ValueError(
-            f"no vocabulary column below vocab_size={vocab_size} in [{vocab_start}, {vocab_start + local})"
-        )
+    vocab_size, valid = _vocabulary_columns(
+        logits, chunk_tokens=chunk_tokens, chunk_vocab=chunk_vocab, vocab_size=vocab_size,
+        vocab_start=vocab_start, sharded=reducer is not None,
+    )  # fmt: skip
     if rows.numel():
         lo, hi = int(ids.min()), int(ids.max())
         if lo < 0 or hi >= vocab_size:
@@ -246,18 +264,10 @@ def chunked_token_entropy(
     """
     if logits.ndim != 2 or rows.ndim != 1:
         raise ValueError(f"logits must be [M, V] and rows [N], got {tuple(logits.shape)} and {tuple(rows.shape)}")
-    if chunk_tokens < 1 or (chunk_vocab is not None and chunk_vocab < 1):
-        raise ValueError(f"chunk sizes must be >= 1, got chunk_tokens={chunk_tokens}, chunk_vocab={chunk_vocab}")
-    local = logits.shape[1]
-    if vocab_size is None:
-        if reducer is not None or vocab_start:
-            raise ValueError("a vocabulary shard needs vocab_size (the unpadded global vocabulary)")
-        vocab_size = local
-    valid = max(0, min(local, vocab_size - vocab_start))
-    if reducer is None and valid < 1:
-        raise ValueError(
-            f"no vocabulary column below vocab_size={vocab_size} in [{vocab_start}, {vocab_start + local})"
-        )
+    vocab_size, valid = _vocabulary_columns(
+        logits, chunk_tokens=chunk_tokens, chunk_vocab=chunk_vocab, vocab_size=vocab_size,
+        vocab_start=vocab_start, sharded=reducer is not None,
+    )  # fmt: skip
     if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= logits.shape[0]):
         raise ValueError(f"rows outside [0, {logits.shape[0]}): min {int(rows.min())}, max {int(rows.max())}")
     dtype = _compute_dtype(logits.dtype)
