@@ -38,6 +38,10 @@ PARENT_RUN_TAG = "sdpo.parent_mlflow_run_id"  # a fork's parent's MLflow run, wh
 # Python package has no constant for them.
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 TRAINING_KIND = "custom_model_development"
+# MLflow's UI (3.17) opens a page in the view the browser last chose at the top of its sidebar
+# ("GenAI" until the user switches), not by the experiment's kind; a page address carrying this query
+# opens in the training view ("Model training"), so the links the pipeline writes carry it.
+TRAINING_VIEW = "workflowType=machine_learning"
 FORKED_AT_TAG = "sdpo.forked_from_iteration"
 STEP_MARKER = "tracking/step"  # logged last in each step's batch: the step is in MLflow
 CHANGES_TAG = "sdpo.config_changes"  # how many accepted config changes are recorded as tags

@@ -79,7 +79,7 @@ def test_iteration_markdown_has_metrics_coverage_stage_times_and_links(tmp_path)
     run = SimpleNamespace(cfg=_cfg(tmp_path, name="demo", iterations=6))
     tracker = SimpleNamespace(enabled=True, ui_url="http://127.0.0.1:5000/", experiment_id="1", run_id="abc")
     link = mlflow_run_link(tracker)
-    assert link == "http://127.0.0.1:5000/#/experiments/1/runs/abc"
+    assert link == "http://127.0.0.1:5000/#/experiments/1/runs/abc?workflowType=machine_learning"
     metrics = {
         "rollout/reward_mean": 0.5,
         "teacher/sample_mask_fraction": 0.75,
