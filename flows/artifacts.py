@@ -22,10 +22,13 @@ def artifact_key(run_name: str, what: str) -> str:
 
 
 def mlflow_run_link(tracker: Any) -> str | None:
-    """The MLflow UI page of the tracker's run, or None when tracking is off or no UI is configured."""
+    """The MLflow UI page of the tracker's run, in the UI's training view, or None when tracking is off
+    or no UI is configured."""
+    from tasks.tracking.experiment import TRAINING_VIEW
+
     if not tracker.enabled or tracker.ui_url is None:
         return None
-    return f"{tracker.ui_url.rstrip('/')}/#/experiments/{tracker.experiment_id}/runs/{tracker.run_id}"
+    return f"{tracker.ui_url.rstrip('/')}/#/experiments/{tracker.experiment_id}/runs/{tracker.run_id}?{TRAINING_VIEW}"
 
 
 def _cut(value: Any) -> Any:

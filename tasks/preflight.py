@@ -4,8 +4,10 @@
 anything is written or handed to Prefect or MLflow, so a bad setup fails without leaving a run
 folder: the storage root must not be a file, prepared data must follow the schema
 (tasks/data/schema.py) with a held-out set disjoint from training, and `rollout.top_k` must fit
-the tokenizer's vocabulary (bootstrap tokenizer, local model folder or preset; a model at a remote
-URL is checked when the rollout stage loads it), and `rollout.device=cuda` needs a visible CUDA device.
+the tokenizer's vocabulary (bootstrap tokenizer, local model folder, preset or a hub model in the hub
+cache; a model at a remote URL, or a hub model still to download, is checked when the rollout stage
+loads it), a hub model must be in the hub cache when HF_HUB_OFFLINE is set, and `rollout.device=cuda`
+needs a visible CUDA device.
 """
 
 from __future__ import annotations
@@ -33,7 +35,10 @@ def vocabulary_size(cfg: RunConfig) -> int | None:
 
         folder: Path | None = materialise_smollm2(cfg.storage.cache_dir)
     elif cfg.model.path:
-        folder = _local(cfg.model.path)
+        from tasks.hub import hub_model, hub_snapshot
+
+        hub = hub_model(cfg.model.path)
+        folder = _local(cfg.model.path) if hub is None else hub_snapshot(hub, cache_only=True)
         if folder is None:
             return None
     else:
@@ -58,6 +63,11 @@ def preflight(cfg: RunConfig) -> None:
             training_rows(cfg.data, seed=cfg.seed)
         except (ValueError, FileNotFoundError) as err:  # InvalidRowError names the file and line
             raise ConfigError(f"data (data.path / data.eval_path / data.questions): {err}") from None
+    if cfg.model.path:
+        from tasks.hub import hub_model, hub_snapshot
+
+        if (hub := hub_model(cfg.model.path)) is not None:
+            hub_snapshot(hub, cache_only=True)  # offline and not in the hub cache: named here
     if cfg.rollout.device == "cuda":
         import torch
 

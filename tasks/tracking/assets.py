@@ -6,7 +6,9 @@
 - When a run completes, its final policy (and, when an evaluation found a better one, the best
   policy by `eval/greedy_accuracy`) is logged as an MLflow `transformers` model: `policy`, and
   `best_policy`; with `tracking.register_model: NAME` the final policy is also registered under
-  NAME, a new version per run. Both read the committed checkpoints from the store.
+  NAME, a new version per run. Both read the committed checkpoints from the store. Each model
+  carries the metrics of the iteration that produced it (its evaluation among them), which the
+  MLflow UI shows beside the model.
 """
 
 from __future__ import annotations
@@ -91,6 +93,7 @@ def _log_policy(tracker: Any, run: Any, iteration: int, name: str, *, registered
             pip_requirements=[f"torch=={torch.__version__.split('+')[0]}", f"transformers=={transformers.__version__}"],
             registered_model_name=registered_name,
             metadata={"sdpo.run_url": run.layout.run_url, "sdpo.iteration": iteration},
+            step=iteration,  # the model's metrics: the run's at the step (iteration) that produced it
         )
     logger.info("logged the policy of iteration %d as MLflow model %r", iteration, name)
 

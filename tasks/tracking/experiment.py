@@ -32,6 +32,16 @@ logger = logging.getLogger(__name__)
 RUN_URL_TAG = "sdpo.run_url"
 VIEW_TAG = "sdpo.view"  # the `sdpo view` command that opens the run's rollouts
 PARENT_URL_TAG = "sdpo.parent_run_url"  # a fork's parent run
+PARENT_RUN_TAG = "sdpo.parent_mlflow_run_id"  # a fork's parent's MLflow run, when in the same experiment
+# The experiment type the MLflow UI (3.x) keeps as this tag and opens the experiment by: training runs
+# (the runs table and charts), not the GenAI view of traces. The UI defines both strings; MLflow's
+# Python package has no constant for them.
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+TRAINING_KIND = "custom_model_development"
+# MLflow's UI (3.17) opens a page in the view the browser last chose at the top of its sidebar
+# ("GenAI" until the user switches), not by the experiment's kind; a page address carrying this query
+# opens in the training view ("Model training"), so the links the pipeline writes carry it.
+TRAINING_VIEW = "workflowType=machine_learning"
 FORKED_AT_TAG = "sdpo.forked_from_iteration"
 STEP_MARKER = "tracking/step"  # logged last in each step's batch: the step is in MLflow
 CHANGES_TAG = "sdpo.config_changes"  # how many accepted config changes are recorded as tags
@@ -125,9 +135,15 @@ class Tracker:
             if self.uri.startswith("sqlite:///"):
                 db = Path(self.uri.removeprefix("sqlite:///"))
                 artifact_location = (db.parent / "mlartifacts").resolve().as_uri()
-            experiment_id = self.client.create_experiment(cfg.tracking.experiment, artifact_location=artifact_location)
+            experiment_id = self.client.create_experiment(
+                cfg.tracking.experiment, artifact_location=artifact_location, tags={EXPERIMENT_KIND_TAG: TRAINING_KIND}
+            )
         else:
             experiment_id = experiment.experiment_id
+            # an experiment created without its kind (or whose kind the UI only guessed) is given it
+            kind = experiment.tags.get(EXPERIMENT_KIND_TAG)
+            if kind is None or kind.endswith("_inferred"):
+                self.client.set_experiment_tag(experiment_id, EXPERIMENT_KIND_TAG, TRAINING_KIND)
         self.experiment_id = experiment_id
         existing = self.client.search_runs(
             [experiment_id], filter_string=f"tags.`{RUN_URL_TAG}` = '{run_url}'", max_results=1
@@ -248,8 +264,14 @@ class Tracker:
 
     def record_fork(self, fork: dict[str, Any]) -> None:
         """Tag a forked run with its parent and the iteration it started from; when the parent's MLflow
-        run is in the same experiment, nest the fork under it (`mlflow.parentRunId`)."""
-        from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
+        run is in the same experiment, link it by its id (`sdpo.parent_mlflow_run_id`) and in the
+        run's description.
+
+        A fork stays a top-level MLflow run, not one nested under its parent (`mlflow.parentRunId`):
+        the UI's runs table collapses a parent's children, and its charts plot only the rows shown,
+        so a nested fork's curves appeared only once the parent was expanded. A fork nested that way
+        by an earlier version is lifted out here."""
+        from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID, MLFLOW_RUN_NOTE
 
         if not self.enabled:
             return
@@ -257,8 +279,15 @@ class Tracker:
         parent = self.client.search_runs(
             [self.experiment_id], filter_string=f"tags.`{RUN_URL_TAG}` = '{fork['parent_run_url']}'", max_results=1
         )
+        have = self.client.get_run(self.run_id).data.tags
         if parent:
-            tags[MLFLOW_PARENT_RUN_ID] = parent[0].info.run_id
+            info = parent[0].info
+            tags[PARENT_RUN_TAG] = info.run_id
+            if MLFLOW_RUN_NOTE not in have:
+                link = f"#/experiments/{self.experiment_id}/runs/{info.run_id}"
+                tags[MLFLOW_RUN_NOTE] = f"Forked from [{info.run_name}]({link}) at iteration {fork['iteration']}."
+            if have.get(MLFLOW_PARENT_RUN_ID) == info.run_id:
+                self.client.delete_tag(self.run_id, MLFLOW_PARENT_RUN_ID)
         self.set_tags(tags)
 
     def set_tags(self, tags: dict[str, str]) -> None:

@@ -91,6 +91,14 @@ def test_two_iterations_commit_shards_checkpoints_and_metrics(tmp_path, prefect_
         m.name for m in mlflow.search_logged_models(experiment_ids=[runs[0].info.experiment_id], output_format="list")
     }
     assert "policy" in models
+    # the final policy carries the metrics of the iteration that produced it, its evaluation among them
+    (policy,) = mlflow.search_logged_models(
+        experiment_ids=[runs[0].info.experiment_id], filter_string="name = 'policy'", output_format="list"
+    )
+    evaluated = {m.step: m.value for m in client.get_metric_history(runs[0].info.run_id, "eval/greedy_accuracy")}
+    by_name = {m.key: m for m in policy.metrics}
+    assert by_name["eval/greedy_accuracy"].step == 2 and by_name["eval/greedy_accuracy"].value == evaluated[2]
+    assert {m.step for m in policy.metrics} == {2}
     (version,) = client.search_model_versions("name='tiny-policy'")
     loaded = mlflow.transformers.load_model(f"models:/tiny-policy/{version.version}", return_type="components")
     assert {"model", "tokenizer"} <= set(loaded) and loaded["model"].config.vocab_size >= len(loaded["tokenizer"])

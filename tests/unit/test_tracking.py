@@ -79,7 +79,7 @@ def test_iteration_markdown_has_metrics_coverage_stage_times_and_links(tmp_path)
     run = SimpleNamespace(cfg=_cfg(tmp_path, name="demo", iterations=6))
     tracker = SimpleNamespace(enabled=True, ui_url="http://127.0.0.1:5000/", experiment_id="1", run_id="abc")
     link = mlflow_run_link(tracker)
-    assert link == "http://127.0.0.1:5000/#/experiments/1/runs/abc"
+    assert link == "http://127.0.0.1:5000/#/experiments/1/runs/abc?workflowType=machine_learning"
     metrics = {
         "rollout/reward_mean": 0.5,
         "teacher/sample_mask_fraction": 0.75,
@@ -180,3 +180,45 @@ def test_the_tables_tag_lists_the_newest_tables_that_fit_in_numeric_order():
     assert len(tag) <= 8000 and len(json.dumps(json.loads(tag) + [{"path": samples_file(0), "type": "table"}])) > 8000
     assert listed == [samples_file(n) for n in range(10_100 - len(listed), 10_100)]
     assert tables_tag([]) == "[]"
+
+
+def test_the_experiment_opens_on_the_training_runs_view(tmp_path):
+    """The MLflow UI opens an experiment by its `mlflow.experimentKind` tag; without one it may open
+    the GenAI (traces) view. A user's explicit choice is kept."""
+    from mlflow.tracking import MlflowClient
+
+    root = tmp_path / "runs"
+    tracker = Tracker(_cfg(tmp_path, name="a"), f"file://{root}/a", local_root_dir=root)
+    kind = tracker.client.get_experiment(tracker.experiment_id).tags["mlflow.experimentKind"]
+    assert kind == "custom_model_development"
+
+    elsewhere = f"sqlite:///{tmp_path / 'other.db'}"
+    client = MlflowClient(elsewhere)
+    bare = client.create_experiment("sdpo")  # as an earlier version created it: no kind
+    chosen = client.create_experiment("chosen", tags={"mlflow.experimentKind": "genai_development"})
+    Tracker(_cfg(tmp_path, name="b", tracking={"uri": elsewhere}), "file:///b", local_root_dir=None)
+    Tracker(
+        _cfg(tmp_path, name="c", tracking={"uri": elsewhere, "experiment": "chosen"}), "file:///c", local_root_dir=None
+    )
+    assert client.get_experiment(bare).tags["mlflow.experimentKind"] == "custom_model_development"
+    assert client.get_experiment(chosen).tags["mlflow.experimentKind"] == "genai_development"
+
+
+def test_a_fork_is_a_top_level_run_linked_to_its_parent(tmp_path):
+    """Nested under its parent (`mlflow.parentRunId`), a fork's curves show in the UI's charts only
+    once the parent row is expanded; a fork is a run of its own, linked by tags and its description."""
+    root = tmp_path / "runs"
+    parent = Tracker(_cfg(tmp_path, name="parent"), f"file://{root}/parent", local_root_dir=root)
+    child = Tracker(_cfg(tmp_path, name="child"), f"file://{root}/child", local_root_dir=root)
+    child.set_tags({"mlflow.parentRunId": parent.run_id})  # as an earlier version nested it
+    child.record_fork({"parent_run_url": f"file://{root}/parent", "iteration": 2})
+    tags = child.client.get_run(child.run_id).data.tags
+    assert "mlflow.parentRunId" not in tags
+    assert tags["sdpo.parent_mlflow_run_id"] == parent.run_id
+    assert tags["sdpo.parent_run_url"] == f"file://{root}/parent" and tags["sdpo.forked_from_iteration"] == "2"
+    assert (
+        f"[parent](#/experiments/{child.experiment_id}/runs/{parent.run_id}) at iteration 2"
+        in tags["mlflow.note.content"]
+    )
+    top_level = child.client.search_runs([child.experiment_id], filter_string="tags.`mlflow.parentRunId` IS NULL")
+    assert {r.info.run_name for r in top_level} == {"parent", "child"}
