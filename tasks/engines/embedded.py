@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from tasks.engines.base import Generation, RolloutEngine, SamplingParams
-from tasks.engines.sampling import DecodeOutputs, sample_step
+from tasks.engines.sampling import DecodeOutputs, DrawSettings, sample_step
 
 __all__ = ["EmbeddedEngine"]
 
@@ -204,18 +204,18 @@ class EmbeddedEngine(RolloutEngine):
         )
         logits = out.logits[:, -1, :].float()  # [B, V]
         outputs = DecodeOutputs.allocate(batch, max_new_tokens, top_k, device)
-        common = dict(uniforms=u, temperature=temperature, top_p=top_p, top_k=top_k, stop_ids=stop_ids, out=outputs)
+        settings = DrawSettings(uniforms=u, temperature=temperature, top_p=top_p, stop_ids=stop_ids)
         if static:
             from tasks.engines import graph_decode
 
             graph_decode.decode(
                 model, cache, logits=logits, lengths=lengths, width=width, max_new_tokens=max_new_tokens,
-                capture=device.type == "cuda", **common,
+                settings=settings, out=outputs, capture=device.type == "cuda",
             )  # fmt: skip
         else:
             self._decode_eagerly(
                 cache, logits=logits, attention_mask=attention_mask, lengths=lengths, width=width,
-                max_new_tokens=max_new_tokens, **common,
+                max_new_tokens=max_new_tokens, settings=settings, out=outputs,
             )  # fmt: skip
         return _generations(outputs, stop_token_ids)
 
@@ -228,11 +228,7 @@ class EmbeddedEngine(RolloutEngine):
         lengths: torch.Tensor,
         width: int,
         max_new_tokens: int,
-        uniforms: torch.Tensor | None,
-        temperature: float,
-        top_p: float,
-        top_k: int,
-        stop_ids: torch.Tensor,
+        settings: DrawSettings,
         out: DecodeOutputs,
     ) -> None:
         """One forward per step from Python, the cache's filled prefix sliced by host integers."""
@@ -251,8 +247,7 @@ class EmbeddedEngine(RolloutEngine):
         finished = torch.zeros(batch, dtype=torch.bool, device=device)  # [b]
         for step in range(max_new_tokens):
             token, finished = sample_step(
-                logits, rows=rows, step=step, finished=finished, uniforms=uniforms, temperature=temperature,
-                top_p=top_p, top_k=top_k, stop_ids=stop_ids, out=out,
+                logits, rows=rows, step=step, finished=finished, settings=settings, out=out,
             )  # fmt: skip
             if step == max_new_tokens - 1:
                 break

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tasks.engines.sampling import DecodeOutputs, sample_step
+from tasks.engines.sampling import DecodeOutputs, DrawSettings, sample_step
 
 __all__ = ["BUCKETS", "bucket_for", "decode"]
 
@@ -94,11 +94,7 @@ def decode(
     lengths: torch.Tensor,
     width: int,
     max_new_tokens: int,
-    uniforms: torch.Tensor | None,
-    temperature: float,
-    top_p: float,
-    top_k: int,
-    stop_ids: torch.Tensor,
+    settings: DrawSettings,
     out: DecodeOutputs,
     capture: bool = True,
 ) -> None:
@@ -122,8 +118,7 @@ def decode(
 
     def draw_and_record(s: _Bucket) -> None:
         token, finished = sample_step(
-            s.logits, rows=s.rows, step=counters.step, finished=s.finished, uniforms=uniforms,
-            temperature=temperature, top_p=top_p, top_k=top_k, stop_ids=stop_ids, out=out,
+            s.logits, rows=s.rows, step=counters.step, finished=s.finished, settings=settings, out=out,
         )  # fmt: skip
         s.token.copy_(token)
         s.finished.copy_(finished)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["DecodeOutputs", "draw", "sample_step"]
+__all__ = ["DecodeOutputs", "DrawSettings", "draw", "sample_step"]
 
 
 @dataclass(frozen=True)
@@ -41,40 +41,47 @@ class DecodeOutputs:
         )
 
 
+@dataclass(frozen=True)
+class DrawSettings:
+    """How a batch draws its tokens: the same for every step of its decode."""
+
+    uniforms: torch.Tensor | None  # [B, S] each batch row's draws, on the device; None: greedy
+    temperature: float
+    top_p: float
+    stop_ids: torch.Tensor  # [n] ids that end an answer
+
+
 def sample_step(
     logits: torch.Tensor,
     *,
     rows: torch.Tensor,
     step: int | torch.Tensor,
     finished: torch.Tensor,
-    uniforms: torch.Tensor | None,
-    temperature: float,
-    top_p: float,
-    top_k: int,
-    stop_ids: torch.Tensor,
+    settings: DrawSettings,
     out: DecodeOutputs,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw decoding row i's token from `logits` [b, V] (float32) and record it in batch row `rows[i]`
-    at `step` (an int, or a device tensor [1]). Returns (token [b], finished [b] after this token).
+    at `step` (an int, or a device tensor [1]), with the top-K that `out` holds room for. Returns
+    (token [b], finished [b] after this token).
 
-    `uniforms` [B, S] holds each batch row's draws (None: greedy). Rows already finished still draw
-    and write (their columns past the stop are never read) but no longer count tokens.
+    Rows already finished still draw and write (their columns past the stop are never read) but no
+    longer count tokens.
     """
     logprobs = torch.log_softmax(logits, dim=-1)  # [b, V]
-    if uniforms is None:
+    if settings.uniforms is None:
         token = logprobs.argmax(dim=-1)
     else:
         # x / 1.0 is x: the common temperature skips a pass over [b, V]
-        scaled = logits if temperature == 1.0 else logits / temperature
-        u = uniforms[rows, step]  # [b]
-        token = draw(scaled, top_p=top_p, u=u)
-    topk_lp, topk_ids = logprobs.topk(top_k, dim=-1)  # [b, K]
+        scaled = logits if settings.temperature == 1.0 else logits / settings.temperature
+        u = settings.uniforms[rows, step]  # [b]
+        token = draw(scaled, top_p=settings.top_p, u=u)
+    topk_lp, topk_ids = logprobs.topk(out.topk_ids.shape[-1], dim=-1)  # [b, K]
     out.tokens[rows, step] = token
     out.sampled[rows, step] = logprobs.gather(-1, token[:, None])[:, 0]
     out.topk_ids[rows, step] = topk_ids.to(torch.int32)
     out.topk_logprobs[rows, step] = topk_lp
     out.num_tokens[rows] += ~finished
-    return token, finished | torch.isin(token, stop_ids)
+    return token, finished | torch.isin(token, settings.stop_ids)
 
 
 def draw(scaled_logits: torch.Tensor, *, top_p: float, u: torch.Tensor) -> torch.Tensor:
