@@ -31,17 +31,13 @@ import numpy as np
 import torch
 
 from tasks.engines.base import Generation, RolloutEngine, SamplingParams
-from tasks.engines.sampling import DecodeOutputs, DrawSettings, sample_step
+from tasks.engines.sampling import DROP_FINISHED_AT, GPU_STOP_CHECK_EVERY, DecodeOutputs, DrawSettings, sample_step
 
 __all__ = ["EmbeddedEngine"]
 
 logger = logging.getLogger(__name__)
 
 _PAD_ID = 0  # what fills padded slots; they are masked out, so any valid id works
-_GPU_STOP_CHECK_EVERY = 16  # eager decode steps between checks of how many rows have stopped, on a GPU
-# a decode drops its stopped rows once at most this share of its rows is still live: each drop copies
-# the KV cache's filled prefix, and the rows kept run every step after it
-_DROP_FINISHED_AT = 7 / 8
 
 
 class EmbeddedEngine(RolloutEngine):
@@ -239,9 +235,9 @@ class EmbeddedEngine(RolloutEngine):
         next_position = lengths.clone()  # [B]
         # asking how many rows are still decoding waits for the device; on a GPU ask every few steps so
         # the host keeps queueing work (steps past a row's stop are not counted, so the result is the same)
-        sync_every = 1 if device.type == "cpu" else _GPU_STOP_CHECK_EVERY
+        sync_every = 1 if device.type == "cpu" else GPU_STOP_CHECK_EVERY
         # The rows being decoded: decoding row i fills batch row `rows[i]`. Once an eighth of them
-        # has stopped (`_DROP_FINISHED_AT`), the stopped ones leave the decode with their KV cache,
+        # has stopped (`DROP_FINISHED_AT`), the stopped ones leave the decode with their KV cache,
         # so a batch whose answers differ in length does not run every row to the longest.
         rows = torch.arange(batch, device=device)  # [b]
         finished = torch.zeros(batch, dtype=torch.bool, device=device)  # [b]
@@ -255,7 +251,7 @@ class EmbeddedEngine(RolloutEngine):
                 live = int(rows.numel() - finished.sum())
                 if live == 0:
                     break
-                if live <= rows.numel() * _DROP_FINISHED_AT:
+                if live <= rows.numel() * DROP_FINISHED_AT:
                     keep = (~finished).nonzero()[:, 0]  # [b']
                     rows, finished, token = rows[keep], finished[keep], token[keep]
                     next_position, full_mask = next_position[keep], full_mask[keep]

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tasks.engines.sampling import DecodeOutputs, DrawSettings, sample_step
+from tasks.engines.sampling import DROP_FINISHED_AT, GPU_STOP_CHECK_EVERY, DecodeOutputs, DrawSettings, sample_step
 
 __all__ = ["BUCKETS", "bucket_for", "decode"]
 
@@ -43,8 +43,6 @@ logger = logging.getLogger(__name__)
 
 # batch sizes a captured step runs at; a batch above the largest is its own bucket
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
-_CHECK_EVERY = 16  # steps between reads of how many rows still decode (each read waits for the GPU)
-_DROP_FINISHED_AT = 7 / 8  # move to a smaller bucket once at most this share of the rows is live
 
 
 def bucket_for(live: int, batch: int) -> int:
@@ -147,12 +145,12 @@ def decode(
         if index == max_new_tokens - 1:
             draw_and_record(state)
             break
-        if index and index % _CHECK_EVERY == 0:
+        if index and index % GPU_STOP_CHECK_EVERY == 0:
             live = int(state.rows.numel() - state.finished.sum())
             if live == 0:
                 break
             size = bucket_for(live, state.rows.numel())
-            if live <= state.rows.numel() * _DROP_FINISHED_AT and size < state.rows.numel():
+            if live <= state.rows.numel() * DROP_FINISHED_AT and size < state.rows.numel():
                 keep = torch.argsort(state.finished.to(torch.int8), stable=True)[:size]  # live rows first
                 state = state.select(keep)
                 for layer in cache.layers:  # type: ignore[attr-defined]

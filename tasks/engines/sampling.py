@@ -3,7 +3,8 @@
 Both decode loops of the embedded engine use these: the eager loop (`tasks.engines.embedded`, the
 CPU and small GPU batches), whose step is a Python integer, and the captured loop
 (`tasks.engines.graph_decode`), whose step is a device tensor [1] advanced inside the graph. The
-indexing below reads the same with either.
+indexing below reads the same with either. Both loops also share when they look at how many rows
+still decode and when the stopped ones leave (`GPU_STOP_CHECK_EVERY`, `DROP_FINISHED_AT`).
 """
 
 from __future__ import annotations
@@ -12,7 +13,13 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["DecodeOutputs", "DrawSettings", "draw", "sample_step"]
+__all__ = ["DROP_FINISHED_AT", "GPU_STOP_CHECK_EVERY", "DecodeOutputs", "DrawSettings", "draw", "sample_step"]
+
+# decode steps between reads of how many rows still decode, on a GPU (each read waits for the device)
+GPU_STOP_CHECK_EVERY = 16
+# a decode drops its stopped rows once at most this share of its rows is still live: each drop copies
+# the KV cache's filled prefix, and the rows kept run every step after it
+DROP_FINISHED_AT = 7 / 8
 
 
 @dataclass(frozen=True)
