@@ -1,7 +1,7 @@
 """One decode step's draw and what the embedded engine records of it.
 
 Both decode loops of the embedded engine use these: the eager loop (`tasks.engines.embedded`, the
-CPU and small GPU batches), whose step is a Python integer, and the captured loop
+CPU's, and a GPU's with `decode="eager"`), whose step is a Python integer, and the captured loop
 (`tasks.engines.graph_decode`), whose step is a device tensor [1] advanced inside the graph. The
 indexing below reads the same with either. Both loops also share when they look at how many rows
 still decode and when the stopped ones leave (`GPU_STOP_CHECK_EVERY`, `DROP_FINISHED_AT`).
