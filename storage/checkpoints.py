@@ -72,6 +72,7 @@ def upload_checkpoint(
     trained_on: Sequence[Manifest | Mapping[str, str]] = (),
     metadata: Mapping[str, Any] | None = None,
     handed_over: bool = False,
+    written: Mapping[str, str] | None = None,
 ) -> Manifest:
     """Upload every file under `local_dir` (recursively) as checkpoint `kind` of iteration n.
 
@@ -80,6 +81,8 @@ def upload_checkpoint(
     `handed_over`: the folder's files are the caller's to give away, and nothing writes them again
     (a stage's scratch output); a file:// store on their file system then takes them as hard
     links, without copying the bytes (`ObjectStore.put_local_file`).
+    `written`: file name (relative to `local_dir`) -> the sha256 its writer took as it wrote it
+    (`storage.objects.write_local_hashing`); such a file is not read again to learn its digest.
     Refuses a committed checkpoint; clears a partial upload (files without manifest) first.
     """
     source = Path(local_dir)
@@ -99,6 +102,8 @@ def upload_checkpoint(
     files = sorted(p for p in source.rglob("*") if p.is_file())
     if not files:
         raise ValueError(f"checkpoint folder {source} holds no files")
+    if unknown := sorted(set(written or {}) - {p.relative_to(source).as_posix() for p in files}):
+        raise ValueError(f"checkpoint folder {source} holds no files {unknown}, for which digests were given")
     parent_ref: dict[str, str] | None
     if isinstance(parent, str):
         parent_ref = {"external": parent}
@@ -111,7 +116,7 @@ def upload_checkpoint(
     for path in files:
         name = path.relative_to(source).as_posix()
         url = join(layout.checkpoint_files_dir(n, kind), name)
-        digest = layout.store.put_local_file(path, url, link=handed_over)
+        digest = layout.store.put_local_file(path, url, link=handed_over, sha256=(written or {}).get(name))
         crash_point(f"checkpoint.uploading:{kind}", n)
         entries.append({"name": name, "path": layout.relative(url), "bytes": path.stat().st_size, "sha256": digest})
     data = {

@@ -76,6 +76,34 @@ def _copy_hashing(source: str | os.PathLike[str], target: str | os.PathLike[str]
     return digest.hexdigest()
 
 
+def write_local_hashing(path: str | os.PathLike[str], data: bytes) -> str:
+    """Write `data` to the local file `path` and return its sha256, hashed from memory on a second
+    thread while the chunks are written (both release the interpreter lock): a writer that holds a
+    file's bytes never reads the file back to learn its digest."""
+    view = memoryview(data).cast("B")
+    chunks = [view[i : i + _HASH_CHUNK] for i in range(0, len(view), _HASH_CHUNK)]
+    digest = hashlib.sha256()
+
+    def hash_all() -> None:
+        for chunk in chunks:
+            digest.update(chunk)
+
+    with ThreadPoolExecutor(1, "sha256") as hasher, open(path, "wb") as dst:
+        hashed = hasher.submit(hash_all)
+        for chunk in chunks:
+            dst.write(chunk)
+        hashed.result()
+    return digest.hexdigest()
+
+
+def _check_known(path: str | os.PathLike[str], actual: str, known: str | None) -> None:
+    """A file read while it is stored must hash to the digest its writer took, when one was given."""
+    if known is not None and actual != known:
+        raise ValueError(
+            f"{path}: its bytes hash to {actual}, but its writer recorded {known}; it changed after it was written"
+        )
+
+
 @contextmanager
 def _removed_on_failure(tmp: str) -> Iterator[None]:
     """Remove the temporary file `tmp` when the block fails (it may not exist yet), then re-raise."""
@@ -385,7 +413,9 @@ class ObjectStore:
 
         call_with_retry(call, policy=self.retry, what=f"conditional {method} {url}")
 
-    def put_local_file(self, local_path: str | os.PathLike[str], url: str, *, link: bool = False) -> str:
+    def put_local_file(
+        self, local_path: str | os.PathLike[str], url: str, *, link: bool = False, sha256: str | None = None
+    ) -> str:
         """Upload (or copy) one local file to `url`, whole-file retried on s3; returns its sha256.
 
         On file:// the file is written beside `url` and renamed onto it, so a file already there is
@@ -394,7 +424,11 @@ class ObjectStore:
         hard link instead of a copy, and the digest is read from it: for a file its writer hands
         over, which nothing writes again (a stage's output in its scratch folder), since the
         store's file and `local_path` are then one file. The caller's own files (a user's model
-        folder) are copied: rewriting one in place would change the stored bytes."""
+        folder) are copied: rewriting one in place would change the stored bytes.
+
+        `sha256`: the digest the file's writer took from the bytes it wrote
+        (`write_local_hashing`). A linked file or an s3 upload is then not read again; a copy,
+        which reads the bytes anyway, must match it."""
         path = self.path(url)
         if self.backend == "file":
             self._ensure_parent(path)
@@ -403,19 +437,22 @@ class ObjectStore:
             def put() -> str:
                 with _removed_on_failure(tmp):
                     if link and _link(local_path, tmp):
-                        digest = sha256_local_file(tmp)
+                        digest = sha256 or sha256_local_file(tmp)
                     else:
                         digest = _copy_hashing(local_path, tmp)
+                        _check_known(local_path, digest, sha256)
                     os.replace(tmp, path)
                 return digest
 
             return str(self._call(put, "link" if link else "copy", url))
         if self.backend == "memory":
             data = Path(local_path).read_bytes()
+            digest = sha256_bytes(data)
+            _check_known(local_path, digest, sha256)
             self.fs.pipe_file(path, data)
-            return sha256_bytes(data)
+            return digest
         self._call(lambda: self.fs.put_file(os.fspath(local_path), path), "upload", url)
-        return sha256_local_file(local_path)
+        return sha256 or sha256_local_file(local_path)
 
     def get_to_local(self, url: str, local_path: str | os.PathLike[str]) -> str | None:
         """Download (or copy) `url` to a local file, whole-file retried on s3. Returns the sha256 of

@@ -20,16 +20,12 @@ from tasks.runtime import Run
 logger = logging.getLogger(__name__)
 
 
-def update_teacher(
-    run: Run, iteration: int, policy_dir: Path, out_dir: Path, *, policy: dict[str, Any]
-) -> dict[str, Any] | None:
-    """Write the EMA teacher of `iteration` into out_dir and return its weights; None when the
-    mode keeps no teacher copy. `policy` holds the weights stored in `policy_dir`."""
+def update_teacher(run: Run, iteration: int, *, student: dict[str, Any]) -> dict[str, Any] | None:
+    """The EMA teacher of `iteration`, float32 on the device of `student` (the policy's weights just
+    trained, under HF names); None when the mode keeps no teacher copy."""
     if run.cfg.teacher.update != "ema":
         return None
-    return ema_teacher_folder(
-        _previous_teacher(run, iteration), policy_dir, out_dir, rate=run.cfg.teacher.update_rate, student=policy
-    )
+    return ema_step(_previous_teacher(run, iteration), student, rate=run.cfg.teacher.update_rate)
 
 
 def _previous_teacher(run: Run, iteration: int) -> dict[str, Any]:
@@ -55,27 +51,59 @@ def load_teacher_weights(folder: Path) -> dict[str, Any]:
     return {k: v.float() if v.is_floating_point() else v for k, v in load_file(str(folder / WEIGHTS_FILE)).items()}
 
 
-def ema_teacher_folder(
-    teacher: dict[str, Any], policy_dir: Path, out_dir: Path, *, rate: float, student: dict[str, Any]
-) -> dict[str, Any]:
-    """`out_dir` = the policy folder with its weights replaced by the EMA teacher's, kept in float32;
-    `teacher` (float32, updated in place toward `student`, the weights stored in `policy_dir`) is
-    returned.
+def ema_step(teacher: dict[str, Any], student: dict[str, Any], *, rate: float) -> dict[str, Any]:
+    """`teacher` (float32) moved toward `student` by `rate`, on the student's device: in place
+    where it is there already (the copy the last update kept), else as a copy moved there.
 
     The teacher is the EMA's master copy: with bf16 weights and tau = 0.05, an update of 5% of a
     weight's distance to the student rounds away for most weights and the teacher would never move,
-    so the teacher is read, updated and stored in float32 whatever the policy's dtype.
+    so it is updated and stored in float32 whatever the policy's dtype. On a GPU the update is a
+    pass over device memory, from the weights the optimizer just wrote.
     """
-    import shutil
-
-    from safetensors.torch import save_file
-
     from sdpo_core.teacher_update import ema_update_
 
+    device = next(iter(student.values())).device
+    teacher = {name: tensor.to(device) for name, tensor in teacher.items()}
     ema_update_(teacher, student, rate=rate)
-    shutil.copytree(policy_dir, out_dir, dirs_exist_ok=True, ignore=shutil.ignore_patterns(WEIGHTS_FILE))
-    save_file(teacher, str(out_dir / WEIGHTS_FILE), metadata={"format": "pt"})
     return teacher
+
+
+def _store_checkpoint(
+    run: Run,
+    weights: dict[str, Any],
+    folder: Path,
+    iteration: int,
+    kind: str,
+    *,
+    hf_config: Any,
+    tokenizer: Any,
+    config_dtype: Any,
+    parent: Any,
+    trained_on: Any,
+) -> tuple[dict[str, Any], Any]:
+    """Write `weights` as the HF folder of checkpoint `kind` (the weights file hashed as it is
+    written) and upload it; `parent` is a manifest or a future of one (the policy's, for the EMA
+    teacher, waited for only once the teacher's own folder is written). Returns (the host copies
+    written, the checkpoint manifest)."""
+    from concurrent.futures import Future
+
+    from storage.checkpoints import upload_checkpoint
+    from tasks.megatron.hf_export import write_hf_folder
+
+    written, digest = write_hf_folder(weights, hf_config, folder, tokenizer=tokenizer, config_dtype=config_dtype)
+    if isinstance(parent, Future):
+        parent = parent.result()[1]
+    manifest = upload_checkpoint(
+        folder,
+        run.layout,
+        iteration,
+        kind,
+        parent=parent,
+        trained_on=trained_on,
+        handed_over=run.cfg.storage.link_uploads,
+        written={WEIGHTS_FILE: digest},
+    )
+    return written, manifest
 
 
 @contextlib.contextmanager
@@ -166,49 +194,36 @@ def run_train(root: str, run_name: str, iteration: int) -> dict | None:
     tokenizer = stored_tokenizer(
         run.layout, previous, cache_dir=cfg.storage.cache_dir, verify=cfg.storage.verify_sha256
     )
-    # Rank 0 uploads each checkpoint on a thread of its own while the stage goes on: the policy
-    # while the EMA teacher is computed, the teacher while the full state is saved. Each upload
-    # writes its checkpoint manifest last, and the stage manifest waits for all of them. The
-    # scratch files are handed over: with `storage.link_uploads`, a file:// store on their file
-    # system takes them as hard links instead of copying them.
-    with _shared_scratch(cfg.storage.cache_dir, rank) as tmp_path, ThreadPoolExecutor(1, "upload") as uploads:
-        policy_dir = tmp_path / "policy"
+    # The checkpoints are written and uploaded on threads of their own while the stage goes on:
+    # the policy's weights are gathered on the device, the EMA teacher is updated there from them,
+    # and each writer copies its weights to the host, serialises them once and hashes them as they
+    # are written, so no upload reads its weights file back. The teacher's upload waits for the
+    # policy's manifest (its parent); the stage manifest waits for all of them. The scratch files
+    # are handed over: with `storage.link_uploads`, a file:// store on their file system takes
+    # them as hard links instead of copying them.
+    with _shared_scratch(cfg.storage.cache_dir, rank) as tmp_path, ThreadPoolExecutor(2, "checkpoint") as writers:
         clock = time.perf_counter()
-        policy = trainer.save_hf(policy_dir, tokenizer)  # collective; rank 0 writes and gets the tensors
+        exported = trainer.export_hf()  # collective; rank 0 gets the policy's weights on the device
         metrics["train/export_seconds"], clock = time.perf_counter() - clock, time.perf_counter()
         produced = []
         uploaded: list[tuple[Path, Any]] = []  # (folder, its checkpoint manifest): weights the next stages load
-        teacher_upload = None
+        teacher_job = None
         if rank == 0:
-            policy_upload = uploads.submit(
-                upload_checkpoint,
-                policy_dir,
-                run.layout,
-                iteration,
-                "policy",
-                parent=previous,
-                trained_on=[parent],
-                handed_over=cfg.storage.link_uploads,
-            )
-            teacher_dir = tmp_path / "teacher"
-            teacher = update_teacher(run, iteration, policy_dir, teacher_dir, policy=policy)
-            metrics["train/teacher_update_seconds"], clock = time.perf_counter() - clock, time.perf_counter()
-            policy_manifest = policy_upload.result()
-            metrics["train/upload_wait_seconds"] = time.perf_counter() - clock
-            kept_weights.keep(policy_manifest, policy)  # for the next stages of this process
-            produced.append(policy_manifest)
-            uploaded.append((policy_dir, policy_manifest))
+            assert exported is not None
+            dtype = next(iter(exported.values())).dtype
+            common = {"hf_config": trainer.hf_config, "tokenizer": tokenizer, "config_dtype": dtype}
+            policy_dir, teacher_dir = tmp_path / "policy", tmp_path / "teacher"
+            policy_job = writers.submit(
+                _store_checkpoint, run, exported, policy_dir, iteration, "policy",
+                parent=previous, trained_on=[parent], **common,
+            )  # fmt: skip
+            teacher = update_teacher(run, iteration, student=exported)
+            metrics["train/teacher_update_seconds"] = time.perf_counter() - clock
             if teacher is not None:
-                teacher_upload = uploads.submit(
-                    upload_checkpoint,
-                    teacher_dir,
-                    run.layout,
-                    iteration,
-                    "teacher",
-                    parent=policy_manifest,
-                    trained_on=[parent],
-                    handed_over=cfg.storage.link_uploads,
-                )
+                teacher_job = writers.submit(
+                    _store_checkpoint, run, teacher, teacher_dir, iteration, "teacher",
+                    parent=policy_job, trained_on=[parent], **common,
+                )  # fmt: skip
         last = iteration == cfg.iterations
         full_state = last or iteration % cfg.train.megatron_checkpoint_every == 0
         if full_state:
@@ -219,13 +234,19 @@ def run_train(root: str, run_name: str, iteration: int) -> dict | None:
                 (tmp_path / f".rank-{rank}").touch()
                 dist.barrier()
             metrics["train/megatron_save_seconds"] = time.perf_counter() - save_started
-        if teacher_upload is not None:
+        if rank == 0:
             clock = time.perf_counter()
-            teacher_manifest = teacher_upload.result()
-            metrics["train/upload_wait_seconds"] += time.perf_counter() - clock
-            kept_weights.keep(teacher_manifest, teacher)
-            produced.append(teacher_manifest)
-            uploaded.append((teacher_dir, teacher_manifest))
+            policy, policy_manifest = policy_job.result()
+            kept_weights.keep(policy_manifest, policy)  # for the next stages of this process
+            produced.append(policy_manifest)
+            uploaded.append((policy_dir, policy_manifest))
+            if teacher_job is not None:
+                teacher_manifest = teacher_job.result()[1]
+                kept_weights.keep(teacher_manifest, teacher)  # the float32 master, where it was updated
+                produced.append(teacher_manifest)
+                uploaded.append((teacher_dir, teacher_manifest))
+            metrics["train/upload_wait_seconds"] = time.perf_counter() - clock
+            del exported  # views of the model's weights: nothing reads them once the writers are done
         if full_state and rank == 0:
             upload_started = time.perf_counter()
             if world > 1:

@@ -17,7 +17,8 @@ padding it to a multiple of the tensor-parallel size. This is Megatron's
 that are already multiples (Qwen's 151936, Llama-3's 128256). Padded rows are zeros, so padded
 logits are 0: slice logits to the HF vocab size before any softmax.
 
-`load_hf_into_megatron` and `save_megatron_as_hf` wrap these for a built model and an HF folder.
+`load_hf_into_megatron` wraps these for a built model and an HF folder; `tasks/megatron/hf_export.py`
+writes a built model as one.
 
 One module on purpose (longer than most): the two directions are inverse tables of one layout, and
 reading them side by side is how a change to one is checked against the other.
@@ -51,7 +52,6 @@ __all__ = [
     "gather_tensor_parallel_states",
     "load_hf_into_megatron",
     "load_hf_state_into_megatron",
-    "save_megatron_as_hf",
 ]
 
 # HF `model_type` -> the causal-LM class it names in `config.architectures`.
@@ -359,8 +359,9 @@ def megatron_to_hf(
     return out
 
 
-def gather_tensor_parallel_states(state: Mapping[str, Tensor]) -> list[dict[str, Tensor]]:
-    """All tensor-parallel ranks' state dicts (CPU tensors, rank order), gathered on every rank.
+def gather_tensor_parallel_states(state: Mapping[str, Tensor], *, on_device: bool = False) -> list[dict[str, Tensor]]:
+    """All tensor-parallel ranks' state dicts (rank order), gathered on every rank: CPU tensors,
+    or with `on_device` left on the model's device (with one rank: the model's own tensors, detached).
 
     Collective over the tensor-parallel group: every rank of the group must call it.
     """
@@ -370,7 +371,7 @@ def gather_tensor_parallel_states(state: Mapping[str, Tensor]) -> list[dict[str,
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
     names = [name for name in state if not name.endswith("_extra_state")]
     if tp_size == 1:
-        return [{name: state[name].detach().cpu() for name in names}]
+        return [{name: state[name].detach() if on_device else state[name].detach().cpu() for name in names}]
     group = parallel_state.get_tensor_model_parallel_group()
     gathered: list[dict[str, Tensor]] = [{} for _ in range(tp_size)]
     for name in names:
@@ -378,7 +379,7 @@ def gather_tensor_parallel_states(state: Mapping[str, Tensor]) -> list[dict[str,
         shards = [torch.empty_like(local) for _ in range(tp_size)]
         dist.all_gather(shards, local, group=group)
         for rank, shard in enumerate(shards):
-            gathered[rank][name] = shard.cpu()
+            gathered[rank][name] = shard if on_device else shard.cpu()
     return gathered
 
 
@@ -428,52 +429,3 @@ def load_hf_state_into_megatron(
             f"loading {source} into GPTModel: missing {missing[:8]}, unexpected {incompatible.unexpected_keys[:8]}"
         )
     logger.info("loaded %d HF tensors from %s", len(state), source)
-
-
-def save_megatron_as_hf(
-    model: GPTModel, hf_config: Any, out_dir: str | Path, *, tokenizer: Any | None = None
-) -> dict[str, Tensor] | None:
-    """Write the model as an HF folder (config.json + model.safetensors [+ the files of `tokenizer`,
-    an HF tokenizer]).
-
-    Collective over the tensor-parallel group; the rank with tp_rank == dp_rank == 0 writes and
-    returns the tensors it wrote (HF names, on the CPU, sharing no storage with the model), the
-    others return None. The folder loads with `AutoModelForCausalLM.from_pretrained(out_dir)`.
-    Weights keep the model's dtype.
-    """
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-    from safetensors.torch import save_file
-
-    from tasks.kept_weights import WEIGHTS_FILE
-
-    states = gather_tensor_parallel_states(model.state_dict())
-    writer = parallel_state.get_tensor_model_parallel_rank() == 0 and parallel_state.get_data_parallel_rank() == 0
-    tensors: dict[str, Tensor] | None = None
-    if writer:
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        hf_state = megatron_to_hf(states, hf_config)
-        # Copies of their own: slices of one fused tensor share storage, which safetensors refuses,
-        # and the caller keeps these while the model trains on.
-        tensors = {name: _own_cpu_copy(tensor) for name, tensor in hf_state.items()}
-        dtypes = {tensor.dtype for tensor in tensors.values()}
-        if len(dtypes) != 1:
-            raise ValueError(f"mixed parameter dtypes {sorted(map(str, dtypes))}; cast the model first")
-        config = hf_config.__class__.from_dict(hf_config.to_dict())
-        config.architectures = [SUPPORTED_MODEL_TYPES[hf_config.model_type]]
-        config.dtype = dtypes.pop()
-        config.save_pretrained(out)
-        save_file(tensors, out / WEIGHTS_FILE, metadata={"format": "pt"})
-        if tokenizer is not None:
-            tokenizer.save_pretrained(out)
-        logger.info("saved HF model (%d tensors, tp=%d) to %s", len(tensors), len(states), out)
-    if dist.is_initialized():
-        dist.barrier()
-    return tensors
-
-
-def _own_cpu_copy(tensor: Tensor) -> Tensor:
-    """A contiguous CPU copy with storage of its own (a GPU tensor's copy to the host is one)."""
-    tensor = tensor.detach().contiguous()
-    return tensor.cpu() if tensor.device.type != "cpu" else tensor.clone()

@@ -264,9 +264,16 @@ class MegatronTrainer:
     def save_hf(self, out_dir: Path, tokenizer: Any) -> dict[str, Any] | None:
         """Write the policy as an HF folder with `tokenizer`'s files (collective); the writing rank
         gets the tensors it wrote."""
-        from tasks.megatron.convert import save_megatron_as_hf
+        from tasks.megatron.hf_export import save_megatron_as_hf
 
         return save_megatron_as_hf(self.model.module, self.hf_config, str(out_dir), tokenizer=tokenizer)
+
+    def export_hf(self) -> dict[str, Any] | None:
+        """The policy's weights under HF names on the training device, for the writing rank
+        (collective; None on the other ranks): views to copy from while the model is not stepped."""
+        from tasks.megatron.hf_export import export_hf_state
+
+        return export_hf_state(self.model.module, self.hf_config)
 
     def save_megatron(self, out_dir: Path, *, iteration: int) -> None:
         """The full training state after `iteration`: weights (fp32 master copies included), Adam's

@@ -20,9 +20,9 @@ from tasks.megatron.convert import (
     interleave_qkv,
     megatron_to_hf,
     padded_vocab_size,
-    save_megatron_as_hf,
     split_qkv,
 )
+from tasks.megatron.hf_export import save_megatron_as_hf
 from tasks.megatron.model import build_gpt_model
 from tasks.megatron.parallel import destroy_parallel, init_parallel
 

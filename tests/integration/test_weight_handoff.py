@@ -21,7 +21,9 @@ def _record_weight_reads(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[str]
     from storage.objects import ObjectStore
     from tasks import train
 
-    reads: dict[str, list[str]] = {"store": [], "from_pretrained": [], "load_file": [], "ema": []}
+    from storage import cache, objects
+
+    reads: dict[str, list[str]] = {"store": [], "from_pretrained": [], "load_file": [], "ema": [], "hashed": []}
     get_to_local, load_teacher_weights = ObjectStore.get_to_local, train.load_teacher_weights
     load_file = safetensors.torch.load_file
     from_pretrained = transformers.AutoModelForCausalLM.from_pretrained.__func__
@@ -42,6 +44,15 @@ def _record_weight_reads(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[str]
         reads["from_pretrained"].append(str(path))
         return from_pretrained(cls, path, *args, **kwargs)
 
+    def recording_hash(hash_file):
+        def hashing(path, *args):
+            reads["hashed"].append(str(path))
+            return hash_file(path, *args)
+
+        return hashing
+
+    for module, name in ((objects, "sha256_local_file"), (cache, "sha256_local_file"), (objects, "_copy_hashing")):
+        monkeypatch.setattr(module, name, recording_hash(getattr(module, name)))
     monkeypatch.setattr(ObjectStore, "get_to_local", recording_get)
     monkeypatch.setattr(train, "load_teacher_weights", recording_ema)
     monkeypatch.setattr(safetensors.torch, "load_file", recording_load_file)
@@ -84,6 +95,11 @@ def test_one_process_reads_only_the_base_weights(tmp_path, prefect_server, monke
     ]  # the base, built
     assert local and all(Path(p).resolve().is_relative_to(base.resolve()) for p in local), local
     assert len(reads["ema"]) == (1 if teacher == "ema" else 0)  # the EMA starts from the base policy
+    # The train stage hashes the weights it writes from memory as it writes them: no weights file of
+    # a trained checkpoint is read to learn its digest, on upload or when the next stage checks it.
+    hashed = [Path(p) for p in reads["hashed"] if Path(p).name.endswith(".safetensors") or "safetensors.tmp" in p]
+    trained = [p for p in hashed if "/cache/bootstrap/" not in str(p) and "/checkpoints/iter-0/" not in str(p)]
+    assert hashed and not trained, trained
 
 
 def test_kept_weights_are_found_only_under_the_digest_they_were_stored_with():

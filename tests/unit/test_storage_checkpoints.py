@@ -442,3 +442,39 @@ def test_an_upload_replaces_the_file_at_its_target_and_never_writes_into_it(tmp_
         layout.store.put_local_file(second, url, link=link)
         assert first.read_bytes() == b"a" * 5000
         assert Path(layout.store.path(url)).read_bytes() == b"b" * 3000
+
+
+def test_a_weights_file_hashed_as_it_was_written_is_not_read_again_to_upload(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`write_local_hashing` returns the sha256 of the bytes it wrote; an upload told that digest
+    takes a handed-over file as a link without reading it, while a copy (which reads the bytes
+    anyway) must match it, and a digest for a file the folder lacks is refused."""
+    import hashlib
+
+    from storage import objects
+    from storage.objects import write_local_hashing
+
+    rng = np.random.default_rng(0)
+    data = rng.bytes(3 * 8 * 2**20 + 12345)  # several hash chunks and a partial one
+    folder = _megatron_like(tmp_path / "scratch" / "a")
+    weights = folder / "hf" / "model.safetensors"
+    written = write_local_hashing(weights, data)
+    assert written == hashlib.sha256(data).hexdigest() == sha256_local_file(weights)
+    assert weights.read_bytes() == data
+
+    layout = _file_layout(tmp_path)
+    hashed: list[str] = []
+    reading = objects.sha256_local_file
+    monkeypatch.setattr(objects, "sha256_local_file", lambda path: hashed.append(str(path)) or reading(path))
+    linked = upload_checkpoint(
+        folder, layout, 0, "policy", parent=None, handed_over=True, written={"hf/model.safetensors": written}
+    )
+    assert not [p for p in hashed if p.endswith("model.safetensors")], hashed  # the other files are read
+    assert {e["name"]: e["sha256"] for e in linked.data["files"]}["hf/model.safetensors"] == written
+
+    own = _megatron_like(tmp_path / "user" / "b")
+    with pytest.raises(ValueError, match="changed after it was written"):
+        upload_checkpoint(own, layout, 0, "teacher", parent=None, written={"hf/model.safetensors": "0" * 64})
+    with pytest.raises(ValueError, match=r"holds no files \['hf/missing'\]"):
+        upload_checkpoint(own, layout, 1, "teacher", parent=None, written={"hf/missing": "0" * 64})

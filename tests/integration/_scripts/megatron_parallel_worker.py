@@ -39,7 +39,8 @@ def train_step(
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from transformers import AutoConfig
 
-    from tasks.megatron.convert import load_hf_into_megatron, save_megatron_as_hf
+    from tasks.megatron.convert import load_hf_into_megatron
+    from tasks.megatron.hf_export import save_megatron_as_hf
     from tasks.megatron.model import build_gpt_model
 
     hf_config = AutoConfig.from_pretrained(hf_dir)
