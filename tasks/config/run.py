@@ -32,9 +32,13 @@ from tasks.config.source import CREDENTIALS_GO, ConfigError, read_yaml, refuse_c
 class RunConfig(Section):
     """A whole SDPO (or baseline) run."""
 
-    name: str = Field("demo", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-    seed: int = 0
-    iterations: int = Field(10, ge=1)
+    name: str = Field(
+        "demo",
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
+        description="the run: its folder under storage.root, its MLflow run, its Prefect flow runs",
+    )
+    seed: int = Field(0, description="seeds the prompt order, sampling, mini-batches and the model's initialisation")
+    iterations: int = Field(10, ge=1, description="iterations the run trains; it is complete after the last")
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
     verifier: VerifierConfig = VerifierConfig()

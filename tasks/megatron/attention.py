@@ -156,7 +156,7 @@ class SDPACoreAttention(MegatronModule):
         after them), the padded queries' outputs are dropped, so their gradient is zero. One call
         instead of a loop of per-sample calls, whose slices each cost a full-row gradient buffer in
         the backward pass (on a CPU step of 512 answers of 256 tokens the attention's operator time
-        fell from 1.7 to 1.2 s; the step's wall time did not measurably change, docs/benchmarks.md).
+        fell from 1.7 to 1.2 s; the step's wall time did not measurably change, docs/changelog.md).
         """
         t, h, d = query.shape
         starts = torch.tensor(bounds[:-1])

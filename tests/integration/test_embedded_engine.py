@@ -382,7 +382,7 @@ def test_a_decode_step_keeps_no_tensor_of_its_own_alive(checkpoint, prompts):
     """Each step's outputs go into buffers of the whole batch: as many tensors are alive at the 35th
     decode step as at the 5th. Per-step tensors kept in lists (5 a step) fragmented the heap between
     the steps' large temporaries: at 512 rows x 256 tokens the process's peak RSS grew by 150-590 MB
-    over a call instead of ~140 MB (docs/benchmarks.md)."""
+    over a call instead of ~140 MB (docs/changelog.md)."""
     import gc
 
     path, _ = checkpoint

@@ -1,4 +1,4 @@
-"""The README's `mlflow ui` comparison in a real browser: an SDPO run and its GRPO baseline under one
+"""The `mlflow ui` comparison of docs/operating.md in a real browser: an SDPO run and its GRPO baseline under one
 storage root land in the root's one MLflow store; headless Chromium (Debian's `chromium` and
 `chromium-driver`, installed by `make test`) driven by Selenium opens the MLflow UI on that store,
 the page comparing the two runs, and the comparison of their `eval/greedy_accuracy`, where both
