@@ -1,12 +1,18 @@
-"""Storage benchmark: top-K layout candidates, then shard write/read throughput on local disk and S3.
+"""Storage benchmark: top-K layout candidates, shard write/read throughput on local disk and S3, the
+teacher stage's shard write.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/storage_bench.py            # 20k samples x 256 tokens x K=16
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/storage_bench.py --part teacher   # part 3 alone
 
 Part 1 compares per-token top-K layouts on realistic synthetic rows (storage.synthetic) and prints the
 bytes per response token of the top-K columns. Part 2 writes and reads a whole stage through
 `storage` (ShardWriter -> manifest -> read_batches with sha256 checks -> numpy) to file:// and to a
 local moto S3 server (a separate process, so it does not share our GIL), `--repeats` times, and
-prints medians. MB/s counts bytes as stored (compressed Parquet), MB = 10^6 bytes.
+prints medians. MB/s counts bytes as stored (compressed Parquet), MB = 10^6 bytes. Part 3 writes the
+teacher stage of the GPU benchmark's size (64 prompts x 8 answers x 384-512 tokens, K=16) on file://
+over a committed rollout stage, as `tasks.teacher` does (`write_shards`, its `teacher/write_seconds`),
+then reads it back joined (`read_stage_columns` of the trainer's columns, sha256 checks on), and
+prints the medians and the bytes of each shard.
 """
 
 from __future__ import annotations
@@ -31,7 +37,19 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from storage import ROLLOUT, RunLayout, ShardWriter, StageOutput, create_or_open_run, ragged, read_batches, topk
+from storage import (
+    ROLLOUT,
+    TEACHER,
+    RunLayout,
+    ShardWriter,
+    StageOutput,
+    create_or_open_run,
+    ragged,
+    read_batches,
+    read_stage_columns,
+    topk,
+    write_shards,
+)
 from storage.synthetic import synthetic_columns, synthetic_topk
 
 REGION = "eu-west-1"
@@ -194,6 +212,76 @@ def bench_backend(
     }
 
 
+# -- part 3: the teacher stage's shard write ------------------------------------------------------
+# the columns the train stage reads from the teacher stage (tasks.megatron.batches.TRAIN_COLUMNS)
+TRAIN_READ = (
+    "sample_id",
+    "prompt_ids",
+    "response_ids",
+    "topk_ids",
+    "sampled_logprobs",
+    "teacher_topk_logprobs",
+    "teacher_sampled_logprobs",
+    "advantage",
+    "sample_mask",
+    "route",
+    "pass_rate",
+    "teacher_entropy",
+)
+
+
+def teacher_write(*, prompts: int, answers: int, tokens: int, k: int, vocab: int, repeats: int) -> dict[str, Any]:
+    """Median seconds of the teacher stage's `write_shards` and of a joined read of the trainer's
+    columns, and the bytes of each stage's shards."""
+    columns = synthetic_columns(
+        iteration=1,
+        n_rows=prompts * answers,
+        top_k=k,
+        rng=np.random.default_rng(0),
+        response_len=(tokens * 3 // 4, tokens),
+        vocab=vocab,
+        group_size=answers,
+        teacher=True,
+    )
+    rollout_columns = {c: columns[c] for c in ROLLOUT.names}
+    teacher_columns = {c: columns[c] for c in TEACHER.names}  # what this code's teacher shards store
+    writes, write_cpus, reads, read_cpus = [], [], [], []
+    scratch = Path(tempfile.mkdtemp(prefix="storage-bench-teacher-"))
+    try:
+        for i in range(repeats + 1):  # the first is a warm-up
+            layout = RunLayout(str(scratch), f"teacher-{i}")
+            create_or_open_run(layout, {"bench": True})
+            rollout = write_shards(layout, 1, "rollout", rollout_columns).commit()
+            started, cpu_started = time.perf_counter(), time.process_time()
+            output = write_shards(layout, 1, "teacher", teacher_columns)
+            written, written_cpu = time.perf_counter() - started, time.process_time() - cpu_started
+            teacher = output.commit(parents=[rollout])
+            started, cpu_started = time.perf_counter(), time.process_time()
+            read = read_stage_columns(layout, 1, "teacher", columns=TRAIN_READ)
+            read_s, read_cpu = time.perf_counter() - started, time.process_time() - cpu_started
+            assert len(read["response_ids"]) == prompts * answers
+            if i:
+                writes.append(written)
+                write_cpus.append(written_cpu)
+                reads.append(read_s)
+                read_cpus.append(read_cpu)
+    finally:
+        shutil.rmtree(scratch)
+    return {
+        "rows": prompts * answers,
+        "response_tokens": int(columns["response_ids"].offsets[-1]),
+        "teacher_columns": len(TEACHER.names),
+        "write_s": statistics.median(writes),
+        "write_cpu_s": statistics.median(write_cpus),
+        "read_s": statistics.median(reads),
+        "read_cpu_s": statistics.median(read_cpus),
+        "teacher_bytes": [f["bytes"] for f in teacher.data["files"]],
+        "rollout_bytes": [f["bytes"] for f in rollout.data["files"]],
+        "writes": writes,
+        "reads": reads,
+    }
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -226,9 +314,50 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--layout-samples", type=int, default=1000)
     parser.add_argument("--skip-s3", action="store_true")
+    parser.add_argument("--part", choices=["all", "layouts", "throughput", "teacher"], default="all")
+    parser.add_argument("--teacher-prompts", type=int, default=64)
+    parser.add_argument("--teacher-answers", type=int, default=8)
+    parser.add_argument("--teacher-tokens", type=int, default=512, help="longest answer of part 3")
+    parser.add_argument("--teacher-repeats", type=int, default=5)
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
+    if args.part in ("all", "layouts"):
+        print_layouts(args)
+    if args.part in ("all", "throughput"):
+        print_throughput(args)
+    if args.part in ("all", "teacher"):
+        print_teacher_write(args)
+    print(f"\nmachine: {os.cpu_count()} CPUs, python {sys.version.split()[0]}, pyarrow {pa.__version__}")
 
+
+def print_teacher_write(args: argparse.Namespace) -> None:
+    r = teacher_write(
+        prompts=args.teacher_prompts,
+        answers=args.teacher_answers,
+        tokens=args.teacher_tokens,
+        k=args.top_k,
+        vocab=args.vocab,
+        repeats=args.teacher_repeats,
+    )
+    print(
+        f"\n# part 3: the teacher stage's shard write, {args.teacher_prompts} prompts x {args.teacher_answers} answers "
+        f"x {args.teacher_tokens * 3 // 4}-{args.teacher_tokens} tokens ({r['response_tokens']} tokens) x "
+        f"K={args.top_k}, file://, {args.teacher_repeats} repeats after a warm-up, medians"
+    )
+    print(
+        "| teacher columns stored | write s | write CPU s | joined read of the trainer's columns s | its CPU s "
+        "| teacher shard bytes | rollout shard bytes |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    print(
+        f"| {r['teacher_columns']} | {r['write_s']:.3f} | {r['write_cpu_s']:.3f} | {r['read_s']:.3f} | "
+        f"{r['read_cpu_s']:.3f} | {sum(r['teacher_bytes']):,} | {sum(r['rollout_bytes']):,} |"
+    )
+    writes, reads = [round(x, 3) for x in r["writes"]], [round(x, 3) for x in r["reads"]]
+    print(f"writes {writes} s, reads {reads} s; teacher shards {r['teacher_bytes']} B")
+
+
+def print_layouts(args: argparse.Namespace) -> None:
     print(
         f"# part 1: top-K layouts ({args.layout_samples} samples x {args.tokens} tokens x K={args.top_k}, "
         f"vocab {args.vocab}, row groups of 256 samples)",
@@ -243,6 +372,8 @@ def main() -> None:
             flush=True,
         )
 
+
+def print_throughput(args: argparse.Namespace) -> None:
     started = time.perf_counter()
     batches = make_batches(samples=args.samples, tokens=args.tokens, k=args.top_k, vocab=args.vocab)
     expected_tokens = args.samples * args.tokens
@@ -312,7 +443,6 @@ def main() -> None:
     for r in results:
         writes, reads = [round(x, 2) for x in r["writes"]], [round(x, 2) for x in r["reads"]]
         print(f"{r['backend']}: writes {writes} s, reads {reads} s")
-    print(f"\nmachine: {os.cpu_count()} CPUs, python {sys.version.split()[0]}, pyarrow {pa.__version__}")
 
 
 if __name__ == "__main__":

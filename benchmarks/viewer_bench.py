@@ -119,10 +119,14 @@ def main() -> None:
             rows_per_shard=4096,
             row_group_size=256,
         )
-        shard_bytes = sum(p.stat().st_size for p in (work / "runs" / "bench" / "iter-1" / "teacher").glob("*.parquet"))
+        iteration = work / "runs" / "bench" / "iter-1"
+        rollout_bytes, teacher_bytes = (
+            sum(p.stat().st_size for p in (iteration / stage).glob("*.parquet")) for stage in ("rollout", "teacher")
+        )
         print(
-            f"wrote {args.rows} samples (K={args.top_k}, responses 32-512 tokens, teacher shards "
-            f"{shard_bytes / 2**20:.0f} MiB) in {time.perf_counter() - started:.0f} s",
+            f"wrote {args.rows} samples (K={args.top_k}, responses 32-512 tokens, rollout shards "
+            f"{rollout_bytes / 2**20:.0f} MiB, teacher shards {teacher_bytes / 2**20:.0f} MiB, read joined) in "
+            f"{time.perf_counter() - started:.0f} s",
             file=sys.stderr,
         )
 

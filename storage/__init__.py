@@ -20,6 +20,7 @@ from storage.errors import (
     PreconditionFailedError,
     SchemaVersionError,
     ShardInvariantError,
+    ShardJoinError,
     StorageError,
 )
 from storage.layout import RunLayout, config_hash, create_or_open_run, read_run, read_run_config
@@ -58,6 +59,7 @@ __all__ = [
     "RunLock",
     "SchemaVersionError",
     "ShardInvariantError",
+    "ShardJoinError",
     "ShardSchema",
     "ShardWriter",
     "StageOutput",

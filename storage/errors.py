@@ -16,17 +16,25 @@ class NotCommittedError(StorageError):
 
 
 class ChecksumMismatchError(StorageError):
-    """A file's sha256 differs from the digest its manifest recorded."""
+    """A file's sha256 differs from the digest its manifest recorded. `needed_by` names the file
+    whose rows it was read to join, if any."""
 
-    def __init__(self, url: str, *, expected: str, actual: str) -> None:
-        super().__init__(f"sha256 mismatch for {url}: manifest says {expected}, file has {actual}")
+    def __init__(self, url: str, *, expected: str, actual: str, needed_by: str | None = None) -> None:
+        joined = f" (read to join the rows of {needed_by})" if needed_by else ""
+        super().__init__(f"sha256 mismatch for {url}{joined}: manifest says {expected}, file has {actual}")
         self.url = url
+        self.needed_by = needed_by
         self.expected = expected
         self.actual = actual
 
 
 class SchemaVersionError(StorageError):
     """A shard was written with another schema (name or version) than this code reads."""
+
+
+class ShardJoinError(StorageError):
+    """A shard and the rows of the stage it extends do not line up (row counts or sample ids); the
+    message names both files."""
 
 
 class ShardInvariantError(StorageError):

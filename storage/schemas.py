@@ -7,14 +7,20 @@ stored in the schema metadata (`sdpo.top_k`). Parquet writes them with BYTE_STRE
 (see `storage.shard_writer.parquet_options`); docs/storage.md has the measurements behind this choice.
 Readers get values [N_tokens, K] plus per-row token offsets (`storage.shard_columns.topk`).
 
+A teacher shard extends the rollout's rows (`ShardSchema.extends`): it stores the teacher stage's
+own columns and `sample_id`, row for row in the rollout stage's order, and readers get the rollout's
+columns joined to them (`storage.shard_reader`). A reader sees `ShardSchema.view`: the rollout's
+columns, then the teacher's.
+
 Invariants (checked by `check_rows` on every write):
 - non-nullable columns have no nulls; `finish_reason` is "stop" or "length"; `iteration` equals the
   iteration being written; ids are >= 0;
 - per row T = len(response_ids) = len(sampled_logprobs) = len(topk_ids) = len(topk_logprobs), each
   top-K entry holding exactly K values;
-- teacher shards also: len(teacher_sampled_logprobs) = len(teacher_topk_logprobs) =
-  len(teacher_entropy) = T (teacher logprobs of the student's topk_ids, same order; the teacher's
-  entropy at each response position); `route` is null, "sdpo" or "grpo"; `pass_rate` is in [0, 1];
+- teacher shards: `sample_id` equals the rollout's at the same row, and len(teacher_sampled_logprobs) =
+  len(teacher_topk_logprobs) = len(teacher_entropy) = the rollout row's T (teacher logprobs of the
+  student's topk_ids, same order; the teacher's entropy at each response position); `route` is null,
+  "sdpo" or "grpo"; `pass_rate` is in [0, 1];
 - logprob values are not NaN and <= 1e-3 (rounding slack above 0); -inf is allowed; entropies are
   finite and >= -1e-3 (rounding slack below 0); `reward` and `advantage` are finite;
 - prompt_messages are lists of {"role": str, "content": str} dicts, nothing else;
@@ -45,12 +51,14 @@ ColumnKind = Literal[
     "topk_logprobs",
     "messages",
 ]
+PER_TOKEN_KINDS = ("logprobs", "entropies", "topk_ids", "topk_logprobs")  # one entry per response token
 LogprobDtype = Literal["float32", "float16"]
 LOGPROB_DTYPES: tuple[LogprobDtype, ...] = ("float32", "float16")
 FINISH_REASONS = ("stop", "length")
 LOGPROB_MAX = 1e-3  # log-probabilities above this are corrupt, not rounding
 ENTROPY_MIN = -1e-3  # entropies below this are corrupt, not rounding
 ROUTES = ("sdpo", "grpo")  # the values of the teacher shard's `route` column (null: the loss does not route)
+JOIN_KEY = "sample_id"  # the column a shard that extends another stage's rows repeats, checked row for row
 
 META_SCHEMA = b"sdpo.schema"
 META_VERSION = b"sdpo.schema_version"
@@ -113,6 +121,7 @@ ROLLOUT_COLUMNS: tuple[Column, ...] = (
 )
 
 TEACHER_COLUMNS: tuple[Column, ...] = (
+    Column(JOIN_KEY, "int64", False, "the rollout row this row extends: the rollout's sample_id at the same position"),
     Column("teacher_prompt_ids", "tokens", False, "chat-templated teacher prompt ids; scored as prompt + response_ids"),
     Column("teacher_prompt_text", "string", False, "the teacher prompt text"),
     Column("teacher_source", "string", False, "what the teacher saw: e.g. demo, feedback, data, none"),
@@ -134,21 +143,43 @@ TEACHER_COLUMNS: tuple[Column, ...] = (
 
 @dataclass(frozen=True)
 class ShardSchema:
-    """A named, versioned column list. Bump `version` on any change of columns or layout."""
+    """A named, versioned column list. Bump `version` on any change of columns or layout.
+
+    `columns` are the ones its files store. A schema that `extends` another stores, besides its own
+    columns, only `JOIN_KEY`: its rows are the extended stage's (the stage named like that schema)
+    of the same iteration, in the same order, and a reader sees both (`view`).
+    """
 
     name: str
     version: int
     columns: tuple[Column, ...]
+    extends: ShardSchema | None = None
+
+    def __post_init__(self) -> None:
+        if self.extends is not None and JOIN_KEY not in self.names:
+            raise ValueError(f"{self.name} schema extends {self.extends.name} rows but stores no {JOIN_KEY!r}")
 
     @property
     def names(self) -> tuple[str, ...]:
+        """The columns its files store."""
         return tuple(c.name for c in self.columns)
 
+    @property
+    def view(self) -> tuple[Column, ...]:
+        """The columns a reader sees: those of the schema it extends, then its own (the key once)."""
+        if self.extends is None:
+            return self.columns
+        return self.extends.columns + tuple(c for c in self.columns if c.name != JOIN_KEY)
+
+    @property
+    def view_names(self) -> tuple[str, ...]:
+        return tuple(c.name for c in self.view)
+
     def column(self, name: str) -> Column:
-        for c in self.columns:
+        for c in self.view:
             if c.name == name:
                 return c
-        raise KeyError(f"{self.name} schema v{self.version} has no column {name!r}; columns: {self.names}")
+        raise KeyError(f"{self.name} schema v{self.version} has no column {name!r}; columns: {self.view_names}")
 
     def arrow(self, *, top_k: int, logprob_dtype: LogprobDtype = "float32") -> pa.Schema:
         if top_k < 1:
@@ -173,9 +204,30 @@ class ShardSchema:
 
 
 ROLLOUT = ShardSchema("rollout", 1, ROLLOUT_COLUMNS)
-TEACHER = ShardSchema("teacher", 2, ROLLOUT_COLUMNS + TEACHER_COLUMNS)
+TEACHER = ShardSchema("teacher", 3, TEACHER_COLUMNS, extends=ROLLOUT)
 SCHEMAS = {s.name: s for s in (ROLLOUT, TEACHER)}
 STAGE_SCHEMAS = {"rollout": ROLLOUT, "teacher": TEACHER}  # stages whose shards must have this schema
+# What changed in versions this code no longer reads, and what to do with files written in them
+RETIRED = {
+    ("teacher", 1): "teacher schema v1 lacked route, pass_rate and teacher_entropy",
+    ("teacher", 2): "teacher schema v2 stored every rollout column again in each teacher shard; from v3 a "
+    "teacher shard holds the teacher stage's columns alone and readers join the rollout's",
+}
+RETIRED_ADVICE = (
+    "read or resume that run with the code that wrote it (its manifests record the code version), "
+    "or start a new run with this code"
+)
+
+
+def version_mismatch(where: str, name: str, version: int, expected: ShardSchema) -> str:
+    """Why `where`, written with `name` schema v`version`, is refused, and what to do when that
+    version is retired."""
+    message = (
+        f"{where} was written with {name} schema v{version}; this code reads {expected.name} schema v{expected.version}"
+    )
+    if (name, version) in RETIRED:
+        message += f" ({RETIRED[name, version]}): {RETIRED_ADVICE}"
+    return message
 
 
 @dataclass(frozen=True)
@@ -205,10 +257,7 @@ def check_shard_schema(expected: ShardSchema, arrow_schema: pa.Schema, *, where:
     """Fail unless the file was written with exactly `expected` (name and version)."""
     fmt = shard_format(arrow_schema, where=where)
     if (fmt.schema, fmt.version) != (expected.name, expected.version):
-        raise SchemaVersionError(
-            f"{where} was written with {fmt.schema} schema v{fmt.version}; this code reads "
-            f"{expected.name} schema v{expected.version}"
-        )
+        raise SchemaVersionError(version_mismatch(where, fmt.schema, fmt.version, expected))
     want = expected.arrow(top_k=fmt.top_k, logprob_dtype=fmt.logprob_dtype)
     got = pa.schema(list(arrow_schema))
     if not got.equals(pa.schema(list(want))):
@@ -229,22 +278,34 @@ def _fail(schema: ShardSchema, message: str, rows: np.ndarray) -> None:
     raise ShardInvariantError(f"{schema.name} rows {rows[:5].tolist()}{'...' if rows.size > 5 else ''}: {message}")
 
 
-def check_rows(schema: ShardSchema, table: pa.Table, *, top_k: int, iteration: int) -> None:
-    """Vectorised check of the invariants in this module's docstring (no per-row Python loop)."""
+def check_rows(
+    schema: ShardSchema, table: pa.Table, *, top_k: int, iteration: int, response_lengths: np.ndarray | None = None
+) -> None:
+    """Vectorised check of the invariants in this module's docstring (no per-row Python loop).
+
+    A schema without `response_ids` (one that extends the rollout's rows) is checked against
+    `response_lengths`, [N] len(response_ids) of the rows it extends."""
     for c in schema.columns:
         if not c.nullable and table.column(c.name).null_count:
             nulls = np.flatnonzero(table.column(c.name).is_null().to_numpy(zero_copy_only=False))
             _fail(schema, f"null in non-nullable column {c.name!r}", nulls)
-    iters = table.column("iteration").to_numpy()
-    if (bad := np.flatnonzero(iters != iteration)).size:
-        _fail(schema, f"iteration is {iters[bad[0]]}, writing iteration {iteration}", bad)
-    reasons = table.column("finish_reason")
-    if (bad := np.flatnonzero(~pc.is_in(reasons, pa.array(FINISH_REASONS)).to_numpy(zero_copy_only=False))).size:
-        _fail(schema, f"finish_reason {reasons[int(bad[0])].as_py()!r} not in {FINISH_REASONS}", bad)
+    if "iteration" in schema.names:
+        iters = table.column("iteration").to_numpy()
+        if (bad := np.flatnonzero(iters != iteration)).size:
+            _fail(schema, f"iteration is {iters[bad[0]]}, writing iteration {iteration}", bad)
+    if "finish_reason" in schema.names:
+        reasons = table.column("finish_reason")
+        if (bad := np.flatnonzero(~pc.is_in(reasons, pa.array(FINISH_REASONS)).to_numpy(zero_copy_only=False))).size:
+            _fail(schema, f"finish_reason {reasons[int(bad[0])].as_py()!r} not in {FINISH_REASONS}", bad)
 
-    t = row_lengths(table.column("response_ids"))  # [N] tokens per response
+    if "response_ids" in schema.names:
+        t = row_lengths(table.column("response_ids"))  # [N] tokens per response
+    elif response_lengths is None:
+        raise ValueError(f"{schema.name} shards store no response_ids: pass the response_lengths of their rows")
+    else:
+        t = response_lengths
     for c in schema.columns:
-        if c.kind not in ("logprobs", "entropies", "topk_ids", "topk_logprobs"):
+        if c.kind not in PER_TOKEN_KINDS:
             continue
         got = row_lengths(table.column(c.name))
         if (bad := np.flatnonzero(got != t)).size:

@@ -7,6 +7,12 @@ handed in) is held in memory. On s3 each shard is spooled to a local temp file a
 (retried as a unit); on file:// and memory:// it is streamed in place. sha256 and byte counts are
 taken while writing. `write_shards` writes one column dict as the whole output of a stage and
 returns it for the caller to commit.
+
+A schema that extends another stage's rows (the teacher's) is written after that stage of the same
+iteration is committed: the writer reads its `sample_id`s and response lengths once, and every row
+written must carry the `sample_id` of the extended row at the same position and per-token columns of
+its length; closing checks that every extended row got its row. The manifest's schema records the
+extended stage's manifest by digest (`extends`), and the commit must name it as a parent.
 """
 
 from __future__ import annotations
@@ -23,10 +29,21 @@ import pyarrow.parquet as pq
 
 from storage.errors import ShardInvariantError
 from storage.layout import RunLayout
+from storage.manifest import Manifest, read_stage_manifest
 from storage.objects import HashingSink
-from storage.schemas import STAGE_SCHEMAS, TOPK_LAYOUT, LogprobDtype, ShardSchema, check_rows
+from storage.schemas import (
+    JOIN_KEY,
+    PER_TOKEN_KINDS,
+    STAGE_SCHEMAS,
+    TOPK_LAYOUT,
+    LogprobDtype,
+    ShardSchema,
+    check_rows,
+    row_lengths,
+)
 from storage.scratch import spool_file
 from storage.shard_columns import LIST_KINDS, TOPK_KINDS, infer_top_k, to_arrow
+from storage.shard_reader import read_table
 from storage.stages import StageOutput
 
 DEFAULT_ROWS_PER_SHARD = 4096
@@ -58,7 +75,55 @@ def parquet_options(schema: ShardSchema) -> dict[str, Any]:
     }
 
 
+def tokens_column(schema: ShardSchema) -> str:
+    """The column whose row lengths count a shard's response tokens."""
+    if "response_ids" in schema.names:
+        return "response_ids"
+    return next(c.name for c in schema.columns if c.kind in PER_TOKEN_KINDS)
+
+
 # -- writer ----------------------------------------------------------------------------------
+@dataclass
+class ExtendedRows:
+    """The rows a shard writer's rows extend: the keys and response lengths of a committed stage."""
+
+    manifest: Manifest
+    url: str
+    keys: np.ndarray  # [N] int64 sample_id, in row order
+    response_lengths: np.ndarray  # [N] int64 len(response_ids)
+
+    @classmethod
+    def read(cls, layout: RunLayout, n: int, schema: ShardSchema) -> ExtendedRows:
+        if schema.extends is None:
+            raise ValueError(f"{schema.name} shards extend no other stage's rows")
+        manifest = read_stage_manifest(layout, n, schema.extends.name)
+        # the keys only; every joined read checks the files' sha256 and these keys again
+        table = read_table(layout, n, schema.extends.name, columns=[JOIN_KEY, "response_ids"], verify=False)
+        return cls(
+            manifest=manifest,
+            url=layout.url(manifest.path),
+            keys=table.column(JOIN_KEY).to_numpy(),
+            response_lengths=row_lengths(table.column("response_ids").combine_chunks()),
+        )
+
+    def lengths_of(self, keys: np.ndarray, *, start: int, schema: ShardSchema) -> np.ndarray:  # [len(keys)]
+        """The response lengths of rows `start`.. when `keys` are theirs, else ShardInvariantError."""
+        end = start + keys.size
+        if end > self.keys.size:
+            raise ShardInvariantError(
+                f"{schema.name} write: rows {start}..{end - 1}, but {self.url} has {self.keys.size} rows to extend"
+            )
+        want = self.keys[start:end]
+        if (bad := np.flatnonzero(keys != want)).size:
+            i = int(bad[0])
+            raise ShardInvariantError(
+                f"{schema.name} write: row {start + i} has {JOIN_KEY} {keys[i]}, but row {start + i} of {self.url} "
+                f"has {want[i]}: {schema.name} rows are the {self.manifest.data['stage']} rows, in their order"
+            )
+        lengths: np.ndarray = self.response_lengths[start:end]
+        return lengths
+
+
 @dataclass
 class _OpenShard:
     url: str
@@ -100,17 +165,26 @@ class ShardWriter:
         self._shard: _OpenShard | None = None
         self._next_index = 0
         self._sample_ids: set[int] = set()
+        self._rows_in = 0  # rows accepted by write()
+        self._tokens_column = tokens_column(schema)
         self._closed = False
         self.rows_written = 0
-        stage._register_writer(
-            {
-                "name": schema.name,
-                "version": schema.version,
-                "top_k": top_k,
-                "logprob_dtype": logprob_dtype,
-                "topk_layout": TOPK_LAYOUT,
-            }
-        )
+        info: dict[str, Any] = {
+            "name": schema.name,
+            "version": schema.version,
+            "top_k": top_k,
+            "logprob_dtype": logprob_dtype,
+            "topk_layout": TOPK_LAYOUT,
+        }
+        self._extended = None
+        if schema.extends is not None:
+            self._extended = ExtendedRows.read(stage.layout, stage.iteration, schema)
+            if (their_k := self._extended.manifest.data["schema"]["top_k"]) != top_k:
+                raise ValueError(
+                    f"{schema.name} shards of K = {top_k} cannot extend {self._extended.url} (K = {their_k})"
+                )
+            info["extends"] = self._extended.manifest.ref
+        stage._register_writer(info)
 
     def __enter__(self) -> ShardWriter:
         return self
@@ -135,7 +209,13 @@ class ShardWriter:
         if len(set(lengths.values())) != 1:
             raise ShardInvariantError(f"{self.schema.name} write: columns have different row counts {lengths}")
         table = pa.Table.from_arrays(arrays, schema=self.arrow_schema)
-        check_rows(self.schema, table, top_k=self.top_k, iteration=self.stage.iteration)
+        response_lengths = None
+        if self._extended is not None:
+            keys = table.column(JOIN_KEY).to_numpy()
+            response_lengths = self._extended.lengths_of(keys, start=self._rows_in, schema=self.schema)
+        check_rows(
+            self.schema, table, top_k=self.top_k, iteration=self.stage.iteration, response_lengths=response_lengths
+        )
         return table
 
     def write(self, columns: Mapping[str, Any] | pa.Table) -> None:
@@ -152,6 +232,7 @@ class ShardWriter:
             which = sorted(seen)[:5] or "within the batch"
             raise ShardInvariantError(f"{self.schema.name} write: duplicate sample_id(s) {which}")
         self._sample_ids.update(ids.tolist())
+        self._rows_in += table.num_rows
         self._pending.append(table)
         self._pending_rows += table.num_rows
         while self._pending_rows >= self.row_group_size:
@@ -168,7 +249,8 @@ class ShardWriter:
             part, head = head.slice(0, room), head.slice(room)
             shard.writer.write_table(part, row_group_size=part.num_rows)
             shard.rows += part.num_rows
-            shard.response_tokens += int(pc.sum(pc.list_value_length(part.column("response_ids"))).as_py() or 0)
+            tokens = pc.list_value_length(part.column(self._tokens_column))
+            shard.response_tokens += int(pc.sum(tokens).as_py() or 0)
             if shard.rows == self.rows_per_shard:
                 self._close_shard()
 
@@ -220,6 +302,11 @@ class ShardWriter:
         """Write what is pending and close the last shard."""
         if self._closed:
             return
+        if self._extended is not None and self._rows_in != self._extended.keys.size:
+            raise ShardInvariantError(
+                f"{self.schema.name} write: {self._rows_in} rows written, but {self._extended.url} has "
+                f"{self._extended.keys.size} rows to extend"
+            )
         if self._pending_rows:
             self._flush(self._pending_rows)
         if self._shard is not None:
@@ -257,17 +344,20 @@ def write_shards(
     committed: `write_shards(...).commit(parents=..., metrics=...)` writes its manifest, last, so a
     stage's recorded seconds can include the writing.
 
-    `top_k` defaults to the K of the `topk_ids` rows (pass it when there may be no rows).
+    `top_k` defaults to the K of the rows of the schema's first top-K column (pass it when there may
+    be no rows).
     """
     if stage not in STAGE_SCHEMAS:
         raise ValueError(f"write_shards writes shard stages {tuple(STAGE_SCHEMAS)}, not {stage!r}")
-    k = top_k if top_k is not None else infer_top_k(columns["topk_ids"])
+    schema = STAGE_SCHEMAS[stage]
+    first_topk = next(c.name for c in schema.columns if c.kind in TOPK_KINDS)
+    k = top_k if top_k is not None else infer_top_k(columns[first_topk])
     if k is None:
-        raise ValueError(f"cannot infer top_k for {stage} of iteration {n} from empty topk_ids; pass top_k")
+        raise ValueError(f"cannot infer top_k for {stage} of iteration {n} from empty {first_topk}; pass top_k")
     output = StageOutput(layout, n, stage)
     with ShardWriter(
         output,
-        STAGE_SCHEMAS[stage],
+        schema,
         top_k=k,
         logprob_dtype=logprob_dtype,
         rows_per_shard=rows_per_shard,

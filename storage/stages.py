@@ -105,6 +105,12 @@ class StageOutput:
         if self._writer_open:
             raise ValueError(f"stage {self.stage} of iteration {self.iteration}: close the shard writer before commit")
         parent_refs = [p.ref if isinstance(p, Manifest) else dict(p) for p in parents]
+        extends = self._schema["extends"] if self._schema is not None and "extends" in self._schema else None
+        if extends is not None and extends not in parent_refs:
+            raise ValueError(
+                f"stage {self.stage} of iteration {self.iteration}: its shards extend the rows of "
+                f"{self.layout.url(extends['path'])}; name that manifest among the parents"
+            )
         for ref in parent_refs:
             verify_ref(self.layout, ref)
         rows = [f["rows"] for f in self._files if f["rows"] is not None]

@@ -8,7 +8,9 @@ teacher backend has the full logits, so it is exact). The response ids are never
 GRPO advantages, each question's pass rate and, for SRPO, each sample's route are decided here
 too, so the trainer receives every per-sample decision as a column.
 
-Output: `iter-<n>/teacher` shards = rollout columns + teacher columns, and the stage manifest.
+Output: `iter-<n>/teacher` shards holding the teacher columns and each row's `sample_id`, row for row
+in the rollout's order (readers get the rollout's columns joined to them, `storage.shard_reader`),
+and the stage manifest, which names the rollout it extends.
 """
 
 from __future__ import annotations
@@ -198,7 +200,7 @@ def run_teacher(root: str, run_name: str, iteration: int) -> dict | None:
         distributed = torch.distributed.is_initialized()
         metrics["teacher/ranks"] = float(torch.distributed.get_world_size()) if distributed else 1.0
 
-    out = dict(columns)
+    out: dict[str, Any] = {"sample_id": columns["sample_id"]}  # the rollout's rows, in their order
     out["teacher_prompt_ids"] = teacher_ids
     out["teacher_prompt_text"] = [tokenizer.decode(ids, skip_special_tokens=False) for ids in teacher_ids]
     out["teacher_source"] = sources
@@ -213,7 +215,7 @@ def run_teacher(root: str, run_name: str, iteration: int) -> dict | None:
     if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
         return None  # under torchrun every rank scored its share; rank 0 writes the stage
     written = time.perf_counter()
-    output = write_shards(run.layout, iteration, "teacher", out, logprob_dtype=cfg.storage.logprob_dtype)
+    output = write_shards(run.layout, iteration, "teacher", out, top_k=k, logprob_dtype=cfg.storage.logprob_dtype)
     metrics["teacher/write_seconds"] = time.perf_counter() - written
     metrics["teacher/stage_seconds"] = time.perf_counter() - started  # its shards written; the manifest holds it
     # parents: the rollout it scored and the checkpoint whose weights scored it

@@ -138,7 +138,7 @@ def write_synthetic_run(
     """
     from storage.checkpoints import upload_checkpoint
     from storage.layout import RunLayout, create_or_open_run
-    from storage.schemas import ROLLOUT
+    from storage.schemas import ROLLOUT, TEACHER
     from storage.shard_columns import Ragged
     from storage.shard_writer import write_shards
     from storage.synthetic import synthetic_columns, synthetic_topk
@@ -228,5 +228,6 @@ def write_synthetic_run(
     sizes = {"rows_per_shard": rows_per_shard, "row_group_size": row_group_size}
     rollout = write_shards(layout, iteration, "rollout", {c: columns[c] for c in ROLLOUT.names}, **sizes).commit()
     if scored:
-        write_shards(layout, iteration, "teacher", columns, **sizes).commit(parents=[rollout])
+        teacher = {c: columns[c] for c in TEACHER.names}
+        write_shards(layout, iteration, "teacher", teacher, **sizes).commit(parents=[rollout])
     return layout

@@ -52,6 +52,15 @@ def test_two_iterations_commit_shards_checkpoints_and_metrics(tmp_path, prefect_
     cols = read_stage_columns(layout, 2, "teacher")
     n = 4 * 4
     assert len(cols["sample_id"]) == n
+    # the teacher stage's shards store its own columns alone; the rollout's come joined when read
+    import pyarrow.parquet as pq
+
+    from storage.schemas import TEACHER
+
+    for shard in sorted((tmp_path / "runs" / "tiny" / "iter-2" / "teacher").glob("*.parquet")):
+        stored = pq.ParquetFile(shard).schema_arrow.names
+        assert stored == list(TEACHER.names) and not {"prompt_ids", "response_ids", "reward"} & set(stored)
+    assert list(cols) == list(TEACHER.view_names)
     for i in range(n):
         t = len(cols["response_ids"][i])
         assert cols["topk_ids"][i].shape == (t, 8)

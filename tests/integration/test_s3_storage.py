@@ -90,8 +90,11 @@ def test_parquet_round_trip_on_s3(layout: RunLayout) -> None:
 def test_teacher_shards_and_iteration_commit_on_s3(layout: RunLayout, tmp_path: Path) -> None:
     rollout, _ = _write_rollout(layout)
     teacher_out = StageOutput(layout, 0, "teacher")
-    with ShardWriter(teacher_out, TEACHER, top_k=K, logprob_dtype="float16") as writer:
-        writer.write(_columns(0, 10, teacher=True))
+    columns = _columns(0, 40, teacher=True)  # the rollout's rows (same seed), with teacher columns
+    with ShardWriter(
+        teacher_out, TEACHER, top_k=K, logprob_dtype="float16", rows_per_shard=32, row_group_size=8
+    ) as writer:
+        writer.write({c: columns[c] for c in TEACHER.names})
     teacher = teacher_out.commit(parents=[rollout])
     train = StageOutput(layout, 0, "train")
     train.write_json("metrics.json", {"sdpo/loss": 0.1})
@@ -103,7 +106,9 @@ def test_teacher_shards_and_iteration_commit_on_s3(layout: RunLayout, tmp_path: 
     assert read_latest(layout) == 0
     assert manifest.data["stages"]["teacher"] == teacher.ref
     assert json.loads(layout.store.read_bytes(layout.latest))["sha256"] == manifest.sha256
-    assert topk(read_table(layout, 0, "teacher"), "teacher_topk_logprobs").values.dtype == np.float16
+    joined = read_table(layout, 0, "teacher")  # the rollout's columns joined from its 3 shards
+    assert topk(joined, "teacher_topk_logprobs").values.dtype == np.float16
+    np.testing.assert_array_equal(topk(joined, "topk_ids").values, columns["topk_ids"].values)
 
 
 def test_flipped_byte_on_s3_is_detected(layout: RunLayout) -> None:

@@ -6,8 +6,10 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
+from storage.errors import ShardJoinError
 from storage.layout import RunLayout, create_or_open_run
 from storage.lookup import ROW_COLUMN, SHARD_COLUMN, read_index, read_rows
+from storage.schemas import ROLLOUT, TEACHER
 from storage.shard_reader import read_stage_columns
 from storage.shard_writer import write_shards
 from storage.synthetic import synthetic_columns
@@ -22,9 +24,12 @@ def layout(tmp_path) -> RunLayout:
     columns = synthetic_columns(
         iteration=1, n_rows=50, top_k=K, rng=np.random.default_rng(0), vocab=300, first_sample_id=100, teacher=True
     )
-    write_shards(
-        layout, 1, "teacher", columns, rows_per_shard=16, row_group_size=4
-    ).commit()  # 4 shards of 4-row groups
+    # the rollout in 3 shards of 20 rows, the teacher rows extending them in 4 shards of 16 (4-row groups)
+    rollout = write_shards(
+        layout, 1, "rollout", {c: columns[c] for c in ROLLOUT.names}, rows_per_shard=20, row_group_size=5
+    ).commit()
+    teacher = {c: columns[c] for c in TEACHER.names}
+    write_shards(layout, 1, "teacher", teacher, rows_per_shard=16, row_group_size=4).commit(parents=[rollout])
     return layout
 
 
@@ -72,3 +77,39 @@ def test_read_index_checks_the_shards_digest(layout):
 
     with pytest.raises(ChecksumMismatchError):
         read_index(layout, 1, "teacher", columns=["sample_id"])
+
+
+def test_joined_rows_are_the_rollout_rows_at_the_same_stage_position(layout):
+    """Teacher positions map to rollout rows in other shards (20-row rollout shards, 16-row teacher
+    shards): every column of the index and of single rows equals the whole-stage read."""
+    full = read_stage_columns(layout, 1, "teacher")
+    index = read_index(layout, 1, "teacher", columns=["reward", "teacher_source", "response_text"])
+    assert index.column("reward").to_numpy().tolist() == full["reward"].tolist()
+    assert index.column("response_text").to_pylist() == full["response_text"]
+    wanted = [19, 20, 47, 0, 33]
+    positions = [(index.column(SHARD_COLUMN)[i].as_py(), index.column(ROW_COLUMN)[i].as_py()) for i in wanted]
+    rows = read_rows(layout, 1, "teacher", positions)
+    assert rows.column_names == list(TEACHER.view_names)
+    assert rows.column("prompt_messages").to_pylist() == [full["prompt_messages"][i] for i in wanted]
+    for j, i in enumerate(wanted):
+        np.testing.assert_array_equal(rows.column("response_ids")[j].as_py(), full["response_ids"][i])
+        np.testing.assert_array_equal(rows.column("teacher_entropy")[j].as_py(), full["teacher_entropy"][i])
+
+
+def test_read_rows_refuses_a_rollout_row_of_another_sample(layout, tmp_path):
+    """A rollout shard swapped for one of other samples (the digests not checked, as the viewer reads
+    single rows): the row is refused naming both shards."""
+    other = RunLayout(str(tmp_path), "other")
+    create_or_open_run(other, {"model": "tiny"})
+    columns = synthetic_columns(
+        iteration=1, n_rows=50, top_k=K, rng=np.random.default_rng(0), vocab=300, first_sample_id=500
+    )
+    write_shards(other, 1, "rollout", columns, rows_per_shard=20, row_group_size=5).commit()
+    swapped = other.store.read_bytes(other.shard(1, "rollout", 1))
+    layout.store.write_bytes(layout.shard(1, "rollout", 1), swapped)
+    assert read_rows(layout, 1, "teacher", [(0, 3)], columns=["reward"]).num_rows == 1  # rollout shard 0: intact
+    with pytest.raises(ShardJoinError) as refused:
+        read_rows(layout, 1, "teacher", [(1, 5)], columns=["sample_id", "reward"])  # stage row 21: rollout shard 1
+    message = str(refused.value)
+    assert layout.shard(1, "teacher", 1) in message and layout.shard(1, "rollout", 1) in message
+    assert "sample_id 121" in message and "sample_id 521" in message

@@ -106,9 +106,18 @@ def test_rollout_round_trip_is_exact_as_numpy(layout: RunLayout) -> None:
     np.testing.assert_array_equal(table.column("sample_id").to_numpy(), np.arange(55))
 
 
+def _write_pair(layout: RunLayout, columns: dict, **teacher_kwargs) -> None:  # type: ignore[no-untyped-def]
+    """The rollout stage and the teacher stage extending its rows, from one synthetic teacher column dict."""
+    rollout = write_shards(layout, 0, "rollout", {c: columns[c] for c in ROLLOUT.names}).commit()
+    output = StageOutput(layout, 0, "teacher")
+    with ShardWriter(output, TEACHER, top_k=K, **teacher_kwargs) as writer:
+        writer.write({c: columns[c] for c in TEACHER.names})
+    output.commit(parents=[rollout])
+
+
 def test_teacher_round_trip_with_float16_logprobs(layout: RunLayout) -> None:
     columns = _columns(12, teacher=True)
-    _write(layout, [columns], stage="teacher", schema=TEACHER, logprob_dtype="float16")
+    _write_pair(layout, columns, logprob_dtype="float16")
     (batch,) = list(read_batches(layout, 0, "teacher"))
     values, _ = topk(batch, "teacher_topk_logprobs")
     assert values.dtype == np.float16
@@ -125,19 +134,22 @@ def test_teacher_round_trip_with_float16_logprobs(layout: RunLayout) -> None:
     np.testing.assert_array_equal(batch.column("pass_rate").to_numpy(), columns["pass_rate"])
     assert read_stage_manifest(layout, 0, "teacher").data["schema"] == {
         "name": "teacher",
-        "version": 2,
+        "version": 3,
         "top_k": K,
         "logprob_dtype": "float16",
         "topk_layout": "list<fixed_size_list<K>>",
+        "extends": read_stage_manifest(layout, 0, "rollout").ref,
     }
 
 
 def test_write_shards_and_read_stage_columns_round_trip_per_row(layout: RunLayout) -> None:
     columns = _columns(7, teacher=True)
-    manifest = write_shards(layout, 0, "teacher", columns).commit(metrics={"teacher/x": 1.0})
+    rollout = write_shards(layout, 0, "rollout", {c: columns[c] for c in ROLLOUT.names}).commit()
+    teacher = {c: columns[c] for c in TEACHER.names}
+    manifest = write_shards(layout, 0, "teacher", teacher).commit(parents=[rollout], metrics={"teacher/x": 1.0})
     assert manifest["schema"]["top_k"] == K and manifest["metrics"] == {"teacher/x": 1.0}
     back = read_stage_columns(layout, 0, "teacher")
-    assert set(back) == set(TEACHER.names)
+    assert list(back) == list(TEACHER.view_names)
     values, offsets = columns["topk_logprobs"]
     for i in range(7):
         np.testing.assert_array_equal(back["topk_logprobs"][i], values[offsets[i] : offsets[i + 1]])
@@ -241,11 +253,12 @@ def test_writer_rejects_rows_breaking_invariants(layout: RunLayout, mutate, matc
 )
 def test_teacher_writer_rejects_bad_routes_pass_rates_and_entropies(layout: RunLayout, mutate, match: str) -> None:  # type: ignore
     columns = _columns(4, teacher=True)
+    write_shards(layout, 0, "rollout", {c: columns[c] for c in ROLLOUT.names}).commit()
     columns["route"] = ["sdpo", "grpo", None, "grpo"]
     mutate(columns)
     output = StageOutput(layout, 0, "teacher")
     with pytest.raises(ShardInvariantError, match=match), ShardWriter(output, TEACHER, top_k=K) as writer:
-        writer.write(columns)
+        writer.write({c: columns[c] for c in TEACHER.names})
 
 
 def test_sample_ids_must_be_unique_across_batches(layout: RunLayout) -> None:
