@@ -11,7 +11,9 @@ avg@n and pass@n as mean ± standard deviation over seeds, the rollout response 
 and for every arm the median over seeds of the first evaluated iteration at which a seed reached
 the final greedy accuracy of the reference arm's run with the same seed (`--reference`, default
 the last arm; a seed whose reference ended below the base model's accuracy counts as reached at 0); then, per arm,
-the self-teacher's accuracy at each evaluation and its probability mass on the student's top-K ids.
+the self-teacher's accuracy at each evaluation and its probability mass on the student's top-K ids;
+then the answer length, the teacher's entropy, the SRPO routing and weights and the pass rate, over
+the first and the last quarter of the iterations.
 Prints both Markdown tables, writes a plot of each arm's curves (mean and range over seeds) and logs both to the study's MLflow store
 (`<root>/mlflow.db`, experiment `sdpo`) as the artifacts of a run named `study-<config name>`.
 """
@@ -113,6 +115,46 @@ def diagnose(arms: dict[str, list[RunHistory]]) -> str:
     return "\n".join(lines)
 
 
+TRAJECTORIES = (
+    "rollout/response_length_mean",
+    "teacher/entropy_mean",
+    "srpo/routed_sdpo_share",
+    "srpo/entropy_weight_p10",
+    "sdpo/pass_rate_mean",
+)
+
+
+def trajectories(arms: dict[str, list[RunHistory]], keys: tuple[str, ...] = TRAJECTORIES) -> str:
+    """Per arm, each iteration metric some arm logs, as its mean over the first and over the last
+    quarter of the iterations (each a mean over seeds): where routing, entropy weights and answer
+    lengths went during training."""
+    logged = [k for k in keys if any(k in m for hs in arms.values() for h in hs for m in h.iterations.values())]
+    if not logged:
+        return ""
+    lines = [
+        "| arm | " + " | ".join(f"{k}, first → last quarter" for k in logged) + " |",
+        "|---" * (len(logged) + 1) + "|",
+    ]
+    for arm, histories in arms.items():
+        cells = []
+        for key in logged:
+            ends = []
+            for h in histories:
+                steps = sorted(n for n, m in h.iterations.items() if key in m)
+                if steps:
+                    q = max(1, len(steps) // 4)
+                    ends.append(
+                        tuple(statistics.mean(h.iterations[n][key] for n in part) for part in (steps[:q], steps[-q:]))
+                    )
+            cells.append(
+                f"{statistics.mean(a for a, _ in ends):.3f} → {statistics.mean(b for _, b in ends):.3f}"
+                if ends
+                else "-"
+            )
+        lines.append(f"| {arm} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def write_arm_plot(arms: dict[str, list[RunHistory]], path: Path) -> Path:
     """Per arm, the mean over seeds (line) and the range (band) of the student's greedy accuracy and
     of the self-teacher's accuracy with the answer in context, against the iteration."""
@@ -173,6 +215,7 @@ def main() -> None:
                 future.result()  # CalledProcessError names the run whose log to read
     histories = {arm: [read_history(args.root, f"{arm}-s{seed}") for seed in args.seeds] for arm in arms}
     table = summarise(histories, args.reference or list(arms)[-1], args.seeds) + "\n\n" + diagnose(histories)
+    table += "\n\n" + trajectories(histories)
     print(table)
     plot = write_arm_plot(histories, args.plot)
     print(f"plot: {plot}")
