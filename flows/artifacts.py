@@ -31,6 +31,14 @@ def mlflow_run_link(tracker: Any) -> str | None:
     return f"{tracker.ui_url.rstrip('/')}/#/experiments/{tracker.experiment_id}/runs/{tracker.run_id}?{TRAINING_VIEW}"
 
 
+def mlflow_experiment_link(ui_url: str, experiment_id: str) -> str:
+    """The MLflow UI page of an experiment's runs, in the UI's training view (its runs table and
+    charts, rather than the GenAI view a new browser may open on)."""
+    from tasks.tracking.experiment import TRAINING_VIEW
+
+    return f"{ui_url.rstrip('/')}/#/experiments/{experiment_id}/runs?{TRAINING_VIEW}"
+
+
 def _cut(value: Any) -> Any:
     text = value if isinstance(value, str) else None
     if text is None or len(text) <= _CELL_CHARS:

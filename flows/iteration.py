@@ -6,14 +6,16 @@ the way to done (committed, evaluated when due, its step in MLflow, its Prefect 
 the whole-run flow and the scheduled one-iteration flow advance a run through it, so they leave
 the same run behind.
 
-The scheduled flow `sdpo-advance` ends without a red run when it has nothing to do: Completed
-and named "Skipped" once the run is complete (pausing its deployment's schedules), Cancelled
-when another live writer holds the run.
+The scheduled flow `sdpo-advance` ends without a red run when it has nothing to do: Completed, named
+`<run>/skipped` with a message starting "Skipped:", once the run is finished (pausing its
+deployment's schedules, their parameters kept), Cancelled when another live writer holds the run.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 from prefect import flow
@@ -26,6 +28,7 @@ from flows.orchestration import (
     pause_own_schedules,
     quiet_libraries,
     skipped,
+    skipped_run_name,
 )
 from tasks import stages
 from tasks.allocator import keep_freed_heap
@@ -181,14 +184,59 @@ def complete_iteration(
 
 def finish_run(run: Any, tracker: Any, summary: Any) -> None:
     """The end of a complete run: its MLflow artifacts and models, its Prefect summary, the MLflow
-    run closed."""
+    run closed, and last the summary in the store, which marks the run finished (`storage.summary`):
+    a later flow run of the same run publishes nothing again."""
     from flows.artifacts import publish_run
+    from storage.summary import write_run_summary
     from tasks.tracking.assets import log_policies
 
     summary.write_artifacts(run, tracker)
     log_policies(run=run, tracker=tracker)
     publish_run(run, tracker, summary.as_dict())
     tracker.finish()
+    write_run_summary(run.layout, run.cfg.iterations, summary.as_dict())
+
+
+def finished_reason(cfg: Any, layout: Any) -> str | None:
+    """Why a flow run of run `cfg.name` has nothing to do (the run is finished for its configured
+    iterations: `storage.summary`), or None when there is work left."""
+    from storage.summary import finished_summary
+
+    record = finished_summary(layout, cfg.iterations)
+    if record is None:
+        return None
+    return (
+        f"run {cfg.name} is complete ({cfg.iterations} iterations; its summary was published at "
+        f"{record['written_at']}); nothing to do"
+    )
+
+
+@contextlib.contextmanager
+def writer_or_cancelled(cfg: Any, layout: Any, *, force_unlock: bool) -> Iterator[Any]:
+    """Hold the run lock for the block, which gets None; or, when another live writer holds it,
+    hold nothing and give the block the Cancelled state that names that writer. A stale lock this
+    flow may not take over (no `force_unlock`) raises: someone has to look."""
+    from storage.errors import LockHeldError
+    from storage.lock import RunLock, read_lock_holder
+
+    lease = cfg.storage.lock_lease_seconds
+    lock = RunLock(layout, lease_seconds=lease, force=force_unlock, heartbeat_seconds=lease / 4)
+    try:
+        lock.acquire()
+    except LockHeldError:
+        holder = read_lock_holder(layout)
+        if holder is None or holder.stale_reason() is not None:
+            raise
+        aside = f"run {cfg.name} is being written by {holder.describe()}; this flow run stands aside"
+    else:
+        aside = None
+    if aside is not None:
+        yield cancelled(aside)
+        return
+    try:
+        yield None
+    finally:
+        lock.release()
 
 
 @flow(name="sdpo-advance", log_prints=False)
@@ -203,9 +251,9 @@ def sdpo_advance(
 
     Creates the run when it does not exist. One flow run, one iteration, one process: what it
     leaves is what `sdpo run` leaves after the same iteration, bit for bit. Returns the committed
-    iteration's manifest reference and metrics; ends "Skipped" (None) when the run is complete,
-    pausing the schedules of the deployment it runs from, and Cancelled when another live writer
-    holds the run lock.
+    iteration's manifest reference and metrics; once the run is finished, ends Completed with a
+    "Skipped:" message (None), pausing the schedules of the deployment it runs from (their
+    parameters kept); Cancelled when another live writer holds the run lock.
 
     Args:
         config_path: YAML run config (relative to the working directory, SDPO_REPO_DIR on a worker).
@@ -213,8 +261,6 @@ def sdpo_advance(
         allow_config_change: continue an existing run under a changed config (recorded in the run and in MLflow).
         force_unlock: take over a run lock whose lease expired and whose holder did not heartbeat.
     """
-    from storage.errors import LockHeldError
-    from storage.lock import RunLock, read_lock_holder
     from tasks.config import load_config, refuse_flow_overrides
     from tasks.preflight import preflight
     from tasks.runtime import run_layout
@@ -225,19 +271,10 @@ def sdpo_advance(
     refuse_flow_overrides(overrides or [])  # started from a deployment, the CLI's check did not run
     preflight(cfg)  # before the run lock: a run that cannot start leaves no run folder
     layout = run_layout(cfg)
-    lease = cfg.storage.lock_lease_seconds
-    lock = RunLock(layout, lease_seconds=lease, force=force_unlock, heartbeat_seconds=lease / 4)
-    try:
-        lock.acquire()
-    except LockHeldError:
-        holder = read_lock_holder(layout)
-        if holder is None or holder.stale_reason() is not None:
-            raise  # a stale lock this flow may not take over: someone has to look
-        return cancelled(f"run {cfg.name} is being written by {holder.describe()}; this flow run stands aside")
-    try:
+    with writer_or_cancelled(cfg, layout, force_unlock=force_unlock) as stood_aside:
+        if stood_aside is not None:
+            return stood_aside
         return _advance_locked(cfg, layout, allow_config_change=allow_config_change)
-    finally:
-        lock.release()
 
 
 def _advance_locked(cfg: Any, layout: Any, *, allow_config_change: bool) -> Any:
@@ -248,12 +285,16 @@ def _advance_locked(cfg: Any, layout: Any, *, allow_config_change: bool) -> Any:
     from tasks.tracking.summary import RunSummary
 
     run = start_run(cfg, layout, allow_config_change=allow_config_change)
+    if (finished := _skip_finished(cfg, layout)) is not None:
+        return finished
     latest = min(read_latest(layout) or 0, cfg.iterations)
     complete = latest >= cfg.iterations
     name_flow_run(f"{cfg.name}/complete" if complete else iteration_run_name(cfg.name, latest + 1))
     tracker = open_tracker(run)
     stages.prepare_base(cfg.storage.root, cfg.name)
-    summary = RunSummary(run_url=layout.run_url, tracking_uri=tracker.uri, loss_type=cfg.loss.type)
+    summary = RunSummary(
+        run_url=layout.run_url, tracking_uri=tracker.uri, loss_type=cfg.loss.type, experiment_id=tracker.experiment_id
+    )
     # the flow run that ends the run writes its summary, which needs every step's metrics
     ends_run = latest + 1 >= cfg.iterations
     for n in range(latest + 1):  # what a killed predecessor committed but did not evaluate or log
@@ -262,11 +303,10 @@ def _advance_locked(cfg: Any, layout: Any, *, allow_config_change: bool) -> Any:
         if not ends_run and tracker.published(n):
             continue
         summary.record(n, complete_iteration(run, tracker, n)[0])
-    if complete:
-        tracker.finish()
-        reason = f"run {cfg.name} is complete ({cfg.iterations} iterations)"
-        paused = pause_own_schedules(reason)
-        return skipped(reason + (f"; paused {len(paused)} schedule(s) of this deployment" if paused else ""))
+    if complete:  # a predecessor committed the last iteration and was killed before the summary
+        summary.close(cfg.iterations)
+        finish_run(run, tracker, summary)
+        return _skip_finished(cfg, layout)
     with tracker.system_metrics():
         # one iteration per process: a worker process to run the next one's stages ahead would cost
         # more to start than it saves; the staleness, and so every committed byte, is the same
@@ -277,3 +317,14 @@ def _advance_locked(cfg: Any, layout: Any, *, allow_config_change: bool) -> Any:
         finish_run(run, tracker, summary)
     manifest = read_iteration_manifest(layout, latest + 1)
     return {**manifest.ref, "metrics": metrics}
+
+
+def _skip_finished(cfg: Any, layout: Any) -> Any:
+    """For a finished run: the flow run named `<run>/skipped`, the deployment's schedules paused,
+    and its Skipped state; None when there is work left."""
+    reason = finished_reason(cfg, layout)
+    if reason is None:
+        return None
+    name_flow_run(skipped_run_name(cfg.name))
+    paused = pause_own_schedules(reason)
+    return skipped(f"{reason}; {paused}" if paused else reason)

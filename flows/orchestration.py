@@ -13,7 +13,7 @@ import logging
 import os
 import warnings
 from collections.abc import Callable, Iterator
-from typing import ParamSpec, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 logger = logging.getLogger(__name__)
 P = ParamSpec("P")
@@ -36,33 +36,69 @@ def name_flow_run(name: str) -> None:
         client.set_flow_run_name(flow_run.id, name)
 
 
-def pause_own_schedules(reason: str) -> list[str]:
-    """Deactivate every active schedule of the deployment this flow run came from; returns their ids.
+def skipped_run_name(run: str) -> str:
+    """The flow-run name of a flow run that found run `run` finished: `demo/skipped`."""
+    return f"{run}/skipped"
+
+
+def set_schedules_active(client: Any, deployment_id: Any, schedules: list[Any], *, active: bool) -> list[Any]:
+    """Pause (active=False) or resume each of `schedules` whose state differs; returns those changed.
+
+    Each update sends the schedule's parameters back: Prefect's server (3.9.1) writes an update's
+    `parameters` over the schedule's, an empty dict when the update names none, so an update of
+    `active` alone (what `prefect deployment schedule pause/resume` and the schedule's toggle in
+    Prefect's UI send) clears them, and the schedule's ticks then run the deployment's default
+    parameters: another run.
+    """
+    changed = [s for s in schedules if s.active != active]
+    for schedule in changed:
+        client.update_deployment_schedule(deployment_id, schedule.id, active=active, parameters=schedule.parameters)
+    return changed
+
+
+def pause_own_schedules(reason: str) -> str | None:
+    """Deactivate every active schedule of the deployment this flow run came from, keeping each
+    schedule's parameters; returns what was paused and how to resume it, None when nothing was.
 
     The scheduled path stops itself this way once its run is complete, instead of firing no-op
-    runs forever. Resume with `prefect deployment schedule resume`.
+    runs forever. `sdpo resume-schedule FLOW/DEPLOYMENT` resumes it with its parameters.
     """
     from prefect.client.orchestration import get_client
-    from prefect.runtime import deployment
+    from prefect.runtime import deployment, flow_run
 
     if deployment.id is None:
-        return []
-    paused: list[str] = []
+        return None
     with get_client(sync_client=True) as client:
-        for schedule in client.read_deployment_schedules(deployment.id):
-            if schedule.active:
-                client.update_deployment_schedule(deployment.id, schedule.id, active=False)
-                paused.append(str(schedule.id))
-    if paused:
-        logger.warning("paused %d schedule(s) of deployment %s: %s", len(paused), deployment.name, reason)
-    return paused
+        schedules = client.read_deployment_schedules(deployment.id)
+        paused = set_schedules_active(client, deployment.id, schedules, active=False)
+    if not paused:
+        return None
+    name = f"{flow_run.flow_name}/{deployment.name}"
+    logger.warning("paused %d schedule(s) of deployment %s: %s", len(paused), name, reason)
+    return (
+        f"paused {len(paused)} schedule(s) of deployment {name}, their parameters kept; "
+        f"`sdpo resume-schedule {name}` resumes them"
+    )
+
+
+def resume_schedules(deployment_name: str) -> tuple[Any, list[Any]]:
+    """Resume every paused schedule of deployment `deployment_name` (`FLOW/DEPLOYMENT`), keeping
+    each schedule's parameters; returns the deployment and the schedules resumed (as they were)."""
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        found = client.read_deployment_by_name(deployment_name)
+        schedules = client.read_deployment_schedules(found.id)
+        return found, set_schedules_active(client, found.id, schedules, active=True)
 
 
 def skipped(message: str):
-    """A final state for a flow run that had nothing to do: Completed, named "Skipped", with the reason."""
+    """A final state for a flow run that had nothing to do: Completed, its message starting with
+    "Skipped:". Prefect's own state name is kept: the run lists of Prefect's UI filter by state
+    name, and their default ("All except scheduled") leaves out a state of any other name."""
     from prefect.states import Completed
 
-    return Completed(name="Skipped", message=message)
+    return Completed(message=f"Skipped: {message}")
 
 
 def cancelled(message: str):

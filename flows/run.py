@@ -2,7 +2,11 @@
 
 base model -> for n in 0..N: complete_iteration(n)  [iteration n, its evaluation when due,
                                                       its MLflow step, its Prefect artifacts]
-           -> summary (MLflow artifacts, the Prefect run summary)
+           -> summary (MLflow artifacts, the Prefect run summary, then the store's record)
+
+A flow run that finds the run finished (a second request queued behind the one that finished it)
+ends Completed with a "Skipped:" message, named `<run>/skipped`, and publishes nothing; one that
+finds another live writer holding the run ends Cancelled, naming it.
 """
 
 from __future__ import annotations
@@ -12,8 +16,8 @@ from typing import Any
 
 from prefect import flow
 
-from flows.iteration import Prefetch, complete_iteration, finish_run
-from flows.orchestration import logs_to_flow_run, name_flow_run, quiet_libraries
+from flows.iteration import Prefetch, complete_iteration, finish_run, finished_reason, writer_or_cancelled
+from flows.orchestration import logs_to_flow_run, name_flow_run, quiet_libraries, skipped, skipped_run_name
 from tasks import stages
 from tasks.allocator import keep_freed_heap
 
@@ -36,7 +40,7 @@ def sdpo_run(
     overrides: list[str] | None = None,
     allow_config_change: bool = False,
     force_unlock: bool = False,
-) -> dict[str, Any]:
+) -> Any:
     """Create or resume the run described by the config and iterate it to its last iteration.
 
     Args:
@@ -46,9 +50,9 @@ def sdpo_run(
         force_unlock: take over a run lock whose lease expired and whose holder did not heartbeat.
 
     Returns:
-        The run summary: accuracy before and after, per-iteration metrics, time per stage.
+        The run summary: accuracy before and after, per-iteration metrics, time per stage; or the
+        Skipped state (a finished run) or the Cancelled one (another live writer holds the run).
     """
-    from storage.lock import RunLock
     from storage.manifest import read_latest
     from tasks.config import load_config, refuse_flow_overrides
     from tasks.preflight import preflight
@@ -63,11 +67,20 @@ def sdpo_run(
     preflight(cfg)  # before the run lock: a run that cannot start leaves no run folder
     layout = run_layout(cfg)
     name_flow_run(f"{cfg.name}/run-to-{cfg.iterations:04d}")
-    lease = cfg.storage.lock_lease_seconds
-    with RunLock(layout, lease_seconds=lease, force=force_unlock, heartbeat_seconds=lease / 4):
+    with writer_or_cancelled(cfg, layout, force_unlock=force_unlock) as stood_aside:
+        if stood_aside is not None:
+            return stood_aside
         run = start_run(cfg, layout, allow_config_change=allow_config_change)
+        if (reason := finished_reason(cfg, layout)) is not None:
+            name_flow_run(skipped_run_name(cfg.name))
+            return skipped(reason)
         tracker = open_tracker(run)
-        summary = RunSummary(run_url=layout.run_url, tracking_uri=tracker.uri, loss_type=cfg.loss.type)
+        summary = RunSummary(
+            run_url=layout.run_url,
+            tracking_uri=tracker.uri,
+            loss_type=cfg.loss.type,
+            experiment_id=tracker.experiment_id,
+        )
 
         with tracker.system_metrics():
             summary.base_info = stages.prepare_base(cfg.storage.root, cfg.name)

@@ -66,7 +66,7 @@ class StorageIOError(StorageError, OSError):
 
 
 class CorruptManifestError(StorageError):
-    """A manifest (or LATEST, run.json) that is not the UTF-8 JSON object this code writes."""
+    """A manifest (or LATEST, run.json, summary.json) that is not the UTF-8 JSON object this code writes."""
 
 
 class DamagedOutputError(StorageError):

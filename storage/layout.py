@@ -6,6 +6,7 @@
 <root>/<run>/LATEST                                     last committed iteration (replaced atomically)
 <root>/<run>/LOCK                                       run lock (see storage.lock)
 <root>/<run>/fork.json                                  a fork's parent and starting iteration (see storage.fork)
+<root>/<run>/summary.json                               the run summary, written last when the run is done (storage.summary)
 <root>/<run>/iter-<n>/_manifest.json                    iteration manifest: the commit of iteration n
 <root>/<run>/iter-<n>/<stage>/part-<i>.parquet          stage shards (stage: rollout | teacher | train | eval)
 <root>/<run>/iter-<n>/<stage>/<name>                    other stage files (e.g. train metrics)
@@ -115,6 +116,11 @@ class RunLayout:
     def fork_json(self) -> str:
         """A fork's record of its parent (storage.fork)."""
         return self.url("fork.json")
+
+    @property
+    def summary_json(self) -> str:
+        """The run summary of a finished run (storage.summary)."""
+        return self.url("summary.json")
 
     @property
     def config_changes(self) -> str:

@@ -23,6 +23,8 @@ from flows.cli.app import (
     setup_logging,
 )
 
+MLFLOW_HOST, MLFLOW_PORT = "127.0.0.1", 5000  # where the printed `mlflow ui` command serves
+
 
 @app.command()
 def run(
@@ -47,13 +49,26 @@ def run(
         prefect_local_mode(cfg.name, meanwhile=partial(import_libraries, cfg)),
         iteration_progress(run_layout(cfg), cfg.iterations, log_console),
     ):
-        summary = sdpo_run(str(config), list(overrides or []), allow_config_change, force_unlock)
+        state = sdpo_run(str(config), list(overrides or []), allow_config_change, force_unlock, return_state=True)
+    if state.is_cancelled():
+        fail(state.message)
+    summary = state.result()
     console = output_console()
+    if summary is None:  # finished before this command: its summary as the store keeps it
+        from storage.summary import read_run_summary
+
+        console.print(state.message)
+        summary = read_run_summary(run_layout(cfg))["summary"]
     console.print(render_table(summary))
     console.print(f"this `sdpo run` took {time.monotonic() - started:.1f} s (wall time)")
-    uri = summary["tracking_uri"]
     console.print("\nInspect the run:")
-    console.print(f"  mlflow ui --backend-store-uri {uri} --host 127.0.0.1 --port 5000")
+    uri = summary["tracking_uri"]
+    console.print(f"  mlflow ui --backend-store-uri {uri} --host {MLFLOW_HOST} --port {MLFLOW_PORT}")
+    if summary.get("experiment_id") is not None:  # tracking on: the page of its training runs
+        from flows.artifacts import mlflow_experiment_link
+
+        link = mlflow_experiment_link(f"http://{MLFLOW_HOST}:{MLFLOW_PORT}", summary["experiment_id"])
+        console.print(f"  then open {link}")
     console.print(f"  sdpo lineage {cfg.name} --root {cfg.storage.root}")
     console.print(f"  sdpo status {cfg.name} --root {cfg.storage.root}")
 
@@ -79,7 +94,7 @@ def advance(
         fail(state.message)
     result = state.result()
     if result is None:
-        typer.echo(f"{state.message}: nothing to do")
+        typer.echo(state.message)
     else:
         typer.echo(f"run {cfg.name}: committed {result['path']}")
 

@@ -25,6 +25,7 @@ class RunSummary:
     run_url: str
     tracking_uri: str
     loss_type: str
+    experiment_id: str | None = None  # the MLflow experiment (None with tracking off)
     base_info: dict[str, Any] = field(default_factory=dict)
     before: dict[str, float] = field(default_factory=dict)
     after: dict[str, float] = field(default_factory=dict)
@@ -58,6 +59,7 @@ class RunSummary:
             "run_url": self.run_url,
             "tracking_uri": self.tracking_uri,
             "loss_type": self.loss_type,
+            "experiment_id": self.experiment_id,
             "base": self.base_info,
             "before": self.before,
             "after": self.after,

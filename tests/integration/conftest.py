@@ -1,8 +1,10 @@
-"""Integration fixtures: a real S3 API (moto's threaded server) on 127.0.0.1, and a fault-injecting proxy.
+"""Integration fixtures: a real S3 API (moto's threaded server) on 127.0.0.1, a fault-injecting
+proxy, and a real `prefect server`.
 
 `s3_server` (session) serves S3 on a free port; `s3_root` is a fresh bucket per test as an
 `s3://` URL, with `s3_options` the matching storage options. `fault_proxy` sits between s3fs and
 moto and answers chosen requests with 5xx errors, stalls (client timeouts) or dropped connections.
+`prefect` starts a `prefect server` of the test's own (tests/integration/prefect_server.py).
 """
 
 from __future__ import annotations
@@ -47,6 +49,23 @@ def wait_healthy(url: str, server: Any, log: Any, *, timeout: float) -> None:
             pass
         time.sleep(1)
     raise AssertionError(f"{url} did not answer within {timeout:.0f} s:\n" + log.read_text()[-3000:])
+
+
+@pytest.fixture
+def prefect(tmp_path: Any) -> Iterator[Any]:
+    """A `prefect server` of this test (`prefect_server.Prefect`); every process started through it
+    is killed at the end."""
+    from tests.integration.prefect_server import Prefect, kill_group
+
+    p = Prefect(tmp_path / "prefect-home", _free_port())
+    log = tmp_path / "server.log"
+    server = p.start(["server", "start", "--host", "127.0.0.1", "--port", str(p.port)], log)
+    try:
+        wait_healthy(f"{p.url}/health", server, log, timeout=240)
+        yield p
+    finally:
+        for proc in reversed(p.processes):
+            kill_group(proc)
 
 
 @dataclass

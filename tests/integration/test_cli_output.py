@@ -3,8 +3,10 @@
 One run of the CLI with stdout and stderr to pipes and PREFECT_API_URL set: its first line comes
 at once, before Prefect and the libraries load; no progress-bar fragment reaches the pipe (no
 carriage returns, no tqdm bars); no line is wrapped (the printed `mlflow ui ...` command is one
-line); the per-iteration status lines are in the flow run's logs on the server. Then the same run
-under a changed config: the old -> new differences on one screen, no traceback.
+line) and it is followed by the address of the experiment's training view; the per-iteration
+status lines are in the flow run's logs on the server. Then the same run under a changed config:
+the old -> new differences on one screen, no traceback; and the same run again: it is finished, so
+the command says so, prints the stored summary and publishes no second one.
 """
 
 from __future__ import annotations
@@ -70,6 +72,11 @@ def test_piped_output_has_no_progress_bars_and_no_wrapped_lines(piped):
         assert fragment not in everything.decode(), fragment
     command = f"mlflow ui --backend-store-uri {piped['tracking']} --host 127.0.0.1 --port 5000"
     assert f"  {command}\n" in piped["text"]["stdout"]
+    from mlflow.tracking import MlflowClient
+
+    experiment = MlflowClient(piped["tracking"]).get_experiment_by_name("sdpo").experiment_id
+    training_view = f"http://127.0.0.1:5000/#/experiments/{experiment}/runs?workflowType=machine_learning"
+    assert f"  {command}\n  then open {training_view}\n" in piped["text"]["stdout"]
     status = [line for line in piped["text"]["stderr"].splitlines() if f"{NAME}: iteration " in line]
     assert len(status) == 2 and all(line.rstrip().endswith("s") for line in status), status
     assert all("eval greedy acc" in line for line in status)  # one line each, not cut at 80 columns
@@ -105,3 +112,18 @@ def test_a_changed_config_is_one_screen_without_a_traceback(piped):
     assert len(output.splitlines()) < 25, output
     assert f"run '{NAME}' was created with another config" in output
     assert "optimizer.lr: 0.001 -> 0.002" in output and "--allow-config-change" in output
+
+
+def test_a_finished_run_run_again_says_so_and_publishes_no_second_summary(piped, prefect_server):
+    from prefect.client.orchestration import SyncPrefectClient
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    done = run_cli(["run", str(piped["config"])], piped["env"])
+    assert done["rc"] == 0, done["text"]["stdout"][-3000:] + done["text"]["stderr"][-3000:]
+    output = done["text"]["stdout"]
+    assert f"Skipped: run {NAME} is complete (2 iterations" in output, output
+    assert "eval/greedy_accuracy" in output and "stages and evaluations" in output  # the stored summary
+    assert "then open http://127.0.0.1:5000/#/experiments/" in output
+    client = SyncPrefectClient(prefect_server)
+    key = ArtifactFilter(key=ArtifactFilterKey(any_=[f"sdpo-{NAME}-summary"]))
+    assert len(client.read_artifacts(artifact_filter=key)) == 1

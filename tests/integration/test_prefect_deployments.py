@@ -5,7 +5,7 @@ start a worker, `prefect deployment run` the scheduled `sdpo-advance` deployment
 run commits iteration 1, the overlapping one ends Cancelled), turn its schedule on, kill the worker
 and the flow run's process in the middle of iteration 2, start a new worker, and wait: the dead
 run is marked Crashed when its heartbeats stop, the next ticks resume and finish the SDPO run, the
-tick after that ends "Skipped" and pauses the schedule. No flow run ends Failed, MLflow has every
+tick after that ends Completed as `sched/skipped` and pauses the schedule. No flow run ends Failed, MLflow has every
 step exactly once, each iteration left its Prefect artifacts and its status line in Prefect's logs.
 
 The second: a run whose train stage is a flow run of `sdpo-stage/cpu` loses that stage's worker with
@@ -19,109 +19,20 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import os
-import re
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import psutil
-import pytest
 
-from tests.integration.conftest import _free_port, wait_healthy
+from tests.integration.prefect_server import Prefect, flow_runs, kill_group, run_id_of, wait_for
 from tests.integration.runs import write_config
 
-REPO = Path(__file__).resolve().parents[2]
-PREFECT = [sys.executable, "-m", "prefect"]
 DEPLOYMENT = "sdpo-advance/advance-demo"
 ITERATIONS = 3
-
-
-class Prefect:
-    """A `prefect server` on 127.0.0.1 with its own PREFECT_HOME, and the commands run against it."""
-
-    def __init__(self, home: Path, port: int) -> None:
-        self.url = f"http://127.0.0.1:{port}/api"
-        self.env = {
-            **os.environ,
-            "PREFECT_HOME": str(home),
-            "PREFECT_API_URL": self.url,
-            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-            "PREFECT_CLI_PROMPT": "false",
-            "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "5",
-            "PREFECT_WORKER_QUERY_SECONDS": "2",
-            "PREFECT_WORKER_PREFETCH_SECONDS": "2",
-            "SDPO_REPO_DIR": str(REPO),
-            "PYTHONUNBUFFERED": "1",
-        }
-        self.processes: list[subprocess.Popen] = []
-
-    def start(self, args: list[str], log: Path, **env: str) -> subprocess.Popen:
-        out = log.open("ab")
-        proc = subprocess.Popen(
-            [*PREFECT, *args],
-            cwd=REPO,
-            env={**self.env, **env},
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        self.processes.append(proc)
-        return proc
-
-    def cli(self, *args: str) -> str:
-        done = subprocess.run([*PREFECT, *args], cwd=REPO, env=self.env, capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0, f"prefect {' '.join(args)}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
-        return done.stdout
-
-    def client(self) -> Any:
-        from prefect.client.orchestration import SyncPrefectClient
-
-        return SyncPrefectClient(self.url)
-
-
-def kill_group(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=60)
-
-
-@pytest.fixture
-def prefect(tmp_path: Path) -> Iterator[Prefect]:
-    p = Prefect(tmp_path / "prefect-home", _free_port())
-    log = tmp_path / "server.log"
-    server = p.start(["server", "start", "--host", "127.0.0.1", "--port", p.url.split(":")[-1].split("/")[0]], log)
-    try:
-        wait_healthy(f"{p.url}/health", server, log, timeout=240)
-        yield p
-    finally:
-        for proc in reversed(p.processes):
-            kill_group(proc)
-
-
-def flow_runs(client: Any, deployment_id: Any) -> list[Any]:
-    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
-
-    return client.read_flow_runs(deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment_id])))
-
-
-def wait_for(what: str, predicate, *, timeout: float, logs: list[Path], interval: float = 2.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if value := predicate():
-            return value
-        time.sleep(interval)
-    tails = "\n".join(f"--- {p.name}:\n{p.read_text()[-4000:]}" for p in logs if p.exists())
-    raise AssertionError(f"timed out waiting for {what}\n{tails}")
-
-
-def run_id_of(output: str) -> str:
-    match = re.search(r"UUID: ([0-9a-f-]{36})", output)
-    assert match, output
-    return match.group(1)
 
 
 def test_scheduled_deployment_recovers_from_a_killed_worker_and_stops_when_done(
@@ -191,17 +102,20 @@ def test_scheduled_deployment_recovers_from_a_killed_worker_and_stops_when_done(
 
     # by itself: the dead run becomes Crashed, the next ticks finish the run, one more skips and pauses
     def skipped() -> Any:
-        return next((r for r in flow_runs(client, deployment.id) if r.state.name == "Skipped"), None)
+        return next(
+            (r for r in flow_runs(client, deployment.id) if r.name == "sched/skipped" and r.state.is_final()), None
+        )
 
     skip = wait_for("a Skipped tick", skipped, timeout=480, logs=logs, interval=3)
-    assert "complete" in skip.state.message and "paused 1 schedule" in skip.state.message
+    assert skip.state.is_completed() and skip.state.message.startswith("Skipped: run sched is complete")
+    assert "paused 1 schedule" in skip.state.message
     assert [s.active for s in client.read_deployment_schedules(deployment.id)] == [False]
     assert client.read_flow_run(zombie.id).state.is_crashed()
     assert read_latest(layout) == ITERATIONS and read_lock_holder(layout) is None
     runs = flow_runs(client, deployment.id)
     assert not [r.name for r in runs if r.state.is_failed()]
     names = {r.name for r in runs if r.state.is_completed()}
-    assert {"sched/iter-0001", "sched/iter-0002", "sched/iter-0003", "sched/complete"} <= names
+    assert {"sched/iter-0001", "sched/iter-0002", "sched/iter-0003", "sched/skipped"} <= names
 
     # MLflow: every step once, the loss named by its type
     mlflow = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")

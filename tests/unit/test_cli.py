@@ -24,6 +24,7 @@ runner = CliRunner()
         "eval",
         "prepare-data",
         "view",
+        "resume-schedule",
     ],
 )
 def test_every_command_has_help(command):

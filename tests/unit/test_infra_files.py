@@ -120,6 +120,17 @@ def _makefile_pip() -> str:
     return re.search(r"pip install -q -U pip==(\S+)", (REPO / "Makefile").read_text()).group(1)
 
 
+@pytest.mark.parametrize("name", ["Dockerfile.cpu", "Dockerfile.cuda"])
+def test_the_pipeline_images_name_their_checkout_for_the_deployments(name):
+    """A flow run in a pipeline image (a Kubernetes job, a worker in the image) enters the checkout
+    SDPO_REPO_DIR names (flows/checkout.py): the image's own, where it put the project."""
+    lines = dockerfile(name)
+    pipeline = lines[next(i for i, line in enumerate(lines) if line.endswith("AS sdpo")) :] if "cuda" in name else lines
+    workdir = next(line.split()[1] for line in pipeline if line.startswith("WORKDIR "))
+    env = dict(word.split("=", 1) for line in pipeline if line.startswith("ENV ") for word in shlex.split(line)[1:])
+    assert env["SDPO_REPO_DIR"] == workdir == "/opt/sdpo"
+
+
 def test_the_sglang_image_installs_the_pinned_server_and_router():
     lines = dockerfile("Dockerfile.cuda")
     stages = [line.split()[-1] for line in lines if line.startswith("FROM ")]
@@ -128,6 +139,31 @@ def test_the_sglang_image_installs_the_pinned_server_and_router():
     sglang = " ".join(lines[: next(i for i, line in enumerate(lines) if line.endswith("AS sdpo"))])
     assert f"sglang=={versions['sglang']}" in sglang and f"sglang-router=={versions['sglang-router']}" in sglang
     assert "SGLANG_RETURN_ORIGINAL_LOGPROB=1" in sglang
+
+
+# --------------------------------------------------------------------------- Prefect deployments
+
+
+def test_the_deployments_find_their_checkout_on_the_worker_when_the_flow_run_starts(monkeypatch, tmp_path):
+    """`prefect deploy` fills every `{{ $VAR }}` of a pull step from the deploying machine's
+    environment when the variable is set there, baking that machine's path into the deployment;
+    the pull steps read SDPO_REPO_DIR on the worker instead (flows/checkout.py)."""
+    import importlib
+
+    from prefect.utilities.templating import PlaceholderType, find_placeholders
+
+    deployments = yaml.safe_load((INFRA / "prefect" / "prefect.yaml").read_text())
+    steps = deployments["pull"]
+    assert not [p for p in find_placeholders(steps) if p.type is PlaceholderType.ENV_VAR], steps
+    assert not any("pull" in d for d in deployments["deployments"])  # every deployment runs the steps above
+    (step,) = steps
+    ((fqn, inputs),) = step.items()
+    module, name = fqn.rsplit(".", 1)
+    enter = getattr(importlib.import_module(module), name)
+    (tmp_path / "configs").mkdir()
+    monkeypatch.setenv("SDPO_REPO_DIR", str(tmp_path))
+    monkeypatch.chdir(REPO)
+    assert enter(**inputs) == {"directory": str(tmp_path)} and Path.cwd() == tmp_path
 
 
 # --------------------------------------------------------------------------- Prefect work pools
