@@ -70,12 +70,14 @@ def fail_flow_run(message: str) -> None:
     flow_run_id = os.environ.get("PREFECT__FLOW_RUN_ID")
     if not flow_run_id:
         return
-    line = LogCreate(
-        name=__name__,
-        level=logging.ERROR,
-        message=message,
-        timestamp=datetime.datetime.now(datetime.UTC),
-        flow_run_id=flow_run_id,
+    line = LogCreate.model_validate(
+        {
+            "name": __name__,
+            "level": logging.ERROR,
+            "message": message,
+            "timestamp": datetime.datetime.now(datetime.UTC),
+            "flow_run_id": flow_run_id,
+        }
     )
     with get_client(sync_client=True) as client:
         client.create_logs([line])

@@ -227,7 +227,7 @@ def writer_or_cancelled(cfg: Any, layout: Any, *, force_unlock: bool) -> Iterato
         holder = read_lock_holder(layout)
         if holder is None or holder.stale_reason() is not None:
             raise
-        aside = f"run {cfg.name} is being written by {holder.describe()}; this flow run stands aside"
+        aside: str | None = f"run {cfg.name} is being written by {holder.describe()}; this flow run stands aside"
     else:
         aside = None
     if aside is not None:

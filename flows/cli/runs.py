@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from functools import partial
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -22,6 +22,9 @@ from flows.cli.app import (
     prefect_local_mode,
     setup_logging,
 )
+
+if TYPE_CHECKING:
+    from prefect.client.schemas.objects import State
 
 MLFLOW_HOST, MLFLOW_PORT = "127.0.0.1", 5000  # where the printed `mlflow ui` command serves
 
@@ -49,7 +52,9 @@ def run(
         prefect_local_mode(cfg.name, meanwhile=partial(import_libraries, cfg)),
         iteration_progress(run_layout(cfg), cfg.iterations, log_console),
     ):
-        state = sdpo_run(str(config), list(overrides or []), allow_config_change, force_unlock, return_state=True)
+        state: State[Any] = sdpo_run(
+            str(config), list(overrides or []), allow_config_change, force_unlock, return_state=True
+        )  # type: ignore[assignment]  # a sync flow called with return_state returns its State
     if state.is_cancelled():
         fail(state.message)
     summary = state.result()
@@ -58,7 +63,10 @@ def run(
         from storage.summary import read_run_summary
 
         console.print(state.message)
-        summary = read_run_summary(run_layout(cfg))["summary"]
+        stored = read_run_summary(run_layout(cfg))
+        if stored is None:
+            raise RuntimeError(f"run {cfg.name}: the flow run found it finished, but its summary.json is missing")
+        summary = stored["summary"]
     console.print(render_table(summary))
     console.print(f"this `sdpo run` took {time.monotonic() - started:.1f} s (wall time)")
     console.print("\nInspect the run:")

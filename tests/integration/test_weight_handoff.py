@@ -18,10 +18,9 @@ def _record_weight_reads(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[str]
     import safetensors.torch
     import transformers
 
+    from storage import cache, objects
     from storage.objects import ObjectStore
     from tasks import train
-
-    from storage import cache, objects
 
     reads: dict[str, list[str]] = {"store": [], "from_pretrained": [], "load_file": [], "ema": [], "hashed": []}
     get_to_local, load_teacher_weights = ObjectStore.get_to_local, train.load_teacher_weights
