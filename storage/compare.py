@@ -11,8 +11,10 @@ so they are compared as JSON without:
   fork's `iteration_manifest_sha256`; each manifest named is compared itself;
 - the run's name (`run`, the config's `name`), and the config hashes, which are mapped from one run
   to the other in order (the configs themselves are compared without their names).
+- in the run summary (`summary.json`), the run's URL and every field named as wall-clock time,
+  at any depth (its stage times and per-iteration metrics).
 The records are the manifests (`_manifest.json`), the tombstones of pruned checkpoints
-(`_pruned.json`), `LATEST`, `run.json`, `config_changes.jsonl` and `fork.json`. `LOCK`, a live
+(`_pruned.json`), `LATEST`, `run.json`, `config_changes.jsonl`, `fork.json` and `summary.json`. `LOCK`, a live
 writer's lease, is not compared.
 """
 
@@ -27,9 +29,9 @@ from storage.manifest import CONTENT_DIGEST, decode_json_object, is_wall_clock
 from storage.objects import sha256_bytes
 from storage.verify import stored_sha256
 
-RECORDS = ("LATEST", "run.json", "config_changes.jsonl", "fork.json")
+RECORDS = ("LATEST", "run.json", "config_changes.jsonl", "fork.json", "summary.json")
 RECORD_NAMES = (MANIFEST_NAME, TOMBSTONE_NAME)
-WALL_CLOCK_FIELDS = ("created_at", "updated_at", "changed_at", "forked_at", "pruned_at", "timings")
+WALL_CLOCK_FIELDS = ("created_at", "updated_at", "changed_at", "forked_at", "pruned_at", "written_at", "timings")
 NOT_COMPARED = ("LOCK",)
 _SHOWN = 20  # differences listed per record
 
@@ -80,6 +82,15 @@ def normalise(value: Any, hashes: Mapping[str, str], *, top: bool = True) -> Any
     return out
 
 
+def _without_wall_clock(value: Any) -> Any:
+    """`value` with every dict key named as wall-clock time removed, at any depth."""
+    if isinstance(value, dict):
+        return {k: _without_wall_clock(v) for k, v in value.items() if not is_wall_clock(k)}
+    if isinstance(value, list):
+        return [_without_wall_clock(v) for v in value]
+    return value
+
+
 def _record(layout: RunLayout, path: str, hashes: Mapping[str, str]) -> Any:
     """The record at `path`, normalised (a JSON-lines file: each line); its bytes when it does not decode."""
     payload = layout.store.read_bytes(layout.url(path))
@@ -87,7 +98,11 @@ def _record(layout: RunLayout, path: str, hashes: Mapping[str, str]) -> Any:
         text = payload.decode()
         if path.endswith(".jsonl"):
             return [normalise(json.loads(line), hashes) for line in text.splitlines() if line.strip()]
-        return normalise(json.loads(text), hashes)
+        record = normalise(json.loads(text), hashes)
+        if path == "summary.json" and isinstance(record, dict) and isinstance(record.get("summary"), dict):
+            summary = {k: v for k, v in record["summary"].items() if k != "run_url"}
+            record = {**record, "summary": _without_wall_clock(summary)}
+        return record
     except (UnicodeDecodeError, json.JSONDecodeError):
         return f"<not JSON: {len(payload)} bytes, sha256 {sha256_bytes(payload)[:12]}>"
 

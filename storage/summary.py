@@ -18,7 +18,7 @@ from typing import Any
 
 from storage.errors import CorruptManifestError
 from storage.layout import RunLayout
-from storage.manifest import decode_json_object
+from storage.manifest import decode_json_object, read_latest
 from storage.provenance import utc_now
 
 
@@ -43,8 +43,9 @@ def read_run_summary(layout: RunLayout) -> dict[str, Any] | None:
 
 
 def finished_summary(layout: RunLayout, iterations: int) -> dict[str, Any] | None:
-    """The stored record when the run is finished for `iterations` (its summary covers them), else None."""
+    """The stored record when the run is finished for `iterations` (its summary covers them and
+    LATEST names them: a LATEST deleted to be rebuilt makes the run unfinished), else None."""
     record = read_run_summary(layout)
-    if record is None or record["last_iteration"] < iterations:
+    if record is None or record["last_iteration"] < iterations or (read_latest(layout) or 0) < iterations:
         return None
     return record

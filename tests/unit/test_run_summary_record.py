@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from storage.errors import CorruptManifestError
@@ -13,6 +15,8 @@ def test_a_run_is_finished_for_the_iterations_its_summary_covers(tmp_path):
     layout = RunLayout(str(tmp_path), "r")
     assert read_run_summary(layout) is None and finished_summary(layout, 2) is None
     write_run_summary(layout, 2, {"after": {"eval/greedy_accuracy": 0.5}})
+    assert finished_summary(layout, 2) is None  # LATEST is missing (deleted to be rebuilt): not finished
+    layout.store.write_bytes(layout.latest, json.dumps({"iteration": 2}).encode())
     record = finished_summary(layout, 2)
     assert record is not None and record["last_iteration"] == 2 and record["run"] == "r"
     assert record["summary"] == {"after": {"eval/greedy_accuracy": 0.5}}
