@@ -159,6 +159,12 @@ def test_grpo_baseline_runs_on_the_same_machinery(tmp_path, prefect_server):
     assert "grpo/clip_fraction" in summary["iterations"]["1"]
 
 
+def _committed_mtimes(run: Path) -> dict[Path, int]:
+    """The rollout stages' files and their mtimes, without the temporary sibling a write killed
+    between its link and its unlink may leave (`.<name>.tmp+...`), which the restart clears."""
+    return {p: p.stat().st_mtime_ns for p in run.rglob("rollout/*") if not p.name.startswith(".")}
+
+
 def test_sigkill_after_rollout_then_restart_reuses_the_rollout_shards(tmp_path, prefect_server):
     from storage.layout import RunLayout
     from storage.manifest import read_iteration_manifest, read_latest, read_stage_manifest, stage_done
@@ -181,7 +187,7 @@ def test_sigkill_after_rollout_then_restart_reuses_the_rollout_shards(tmp_path, 
         proc.wait(timeout=60)
     assert read_latest(layout) == 1
     rollout_before = read_stage_manifest(layout, 2, "rollout")
-    mtimes = {p: p.stat().st_mtime_ns for p in (tmp_path / "runs" / "killed").rglob("rollout/*")}
+    mtimes = _committed_mtimes(tmp_path / "runs" / "killed")
 
     # the killed process left its lock behind: the same command takes it over by itself, saying so
     done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
@@ -189,7 +195,7 @@ def test_sigkill_after_rollout_then_restart_reuses_the_rollout_shards(tmp_path, 
     assert "took over stale lock" in done.stdout + done.stderr and "is gone" in done.stdout + done.stderr
     assert read_latest(layout) == 2
     assert read_stage_manifest(layout, 2, "rollout").sha256 == rollout_before.sha256
-    assert {p: p.stat().st_mtime_ns for p in (tmp_path / "runs" / "killed").rglob("rollout/*")} == mtimes
+    assert _committed_mtimes(tmp_path / "runs" / "killed") == mtimes
     it2 = read_iteration_manifest(layout, 2)
     assert it2.data["stages"]["rollout"]["sha256"] == rollout_before.sha256
     assert it2.data["previous"]["sha256"] == read_iteration_manifest(layout, 1).sha256
