@@ -51,6 +51,7 @@ from storage import (
     write_shards,
 )
 from storage.synthetic import synthetic_columns, synthetic_topk
+from tasks.megatron.batches import TRAIN_COLUMNS  # what the train stage reads from the teacher stage
 
 REGION = "eu-west-1"
 CHUNK_ROWS = 1000
@@ -213,23 +214,6 @@ def bench_backend(
 
 
 # -- part 3: the teacher stage's shard write ------------------------------------------------------
-# the columns the train stage reads from the teacher stage (tasks.megatron.batches.TRAIN_COLUMNS)
-TRAIN_READ = (
-    "sample_id",
-    "prompt_ids",
-    "response_ids",
-    "topk_ids",
-    "sampled_logprobs",
-    "teacher_topk_logprobs",
-    "teacher_sampled_logprobs",
-    "advantage",
-    "sample_mask",
-    "route",
-    "pass_rate",
-    "teacher_entropy",
-)
-
-
 def teacher_write(*, prompts: int, answers: int, tokens: int, k: int, vocab: int, repeats: int) -> dict[str, Any]:
     """Median seconds of the teacher stage's `write_shards` and of a joined read of the trainer's
     columns, and the bytes of each stage's shards."""
@@ -257,7 +241,7 @@ def teacher_write(*, prompts: int, answers: int, tokens: int, k: int, vocab: int
             written, written_cpu = time.perf_counter() - started, time.process_time() - cpu_started
             teacher = output.commit(parents=[rollout])
             started, cpu_started = time.perf_counter(), time.process_time()
-            read = read_stage_columns(layout, 1, "teacher", columns=TRAIN_READ)
+            read = read_stage_columns(layout, 1, "teacher", columns=TRAIN_COLUMNS)
             read_s, read_cpu = time.perf_counter() - started, time.process_time() - cpu_started
             assert len(read["response_ids"]) == prompts * answers
             if i:
