@@ -135,11 +135,12 @@ class Prefetch:
 
 
 def complete_iteration(
-    run: Any, tracker: Any, n: int, prefetch: Prefetch | None = None
+    run: Any, tracker: Any, n: int, prefetch: Prefetch | None = None, *, trained: bool = False
 ) -> tuple[dict[str, float], bool]:
     """Iteration n of `run` done: committed (n > 0), evaluated when due, logged to MLflow once,
     and the checkpoints retention does not keep pruned. With `prefetch`, the rollout and teacher
-    prefill of the next `pipeline.max_staleness` iterations run while iteration n trains.
+    prefill of the next `pipeline.max_staleness` iterations run while iteration n trains;
+    `trained`: the caller ran and committed iteration n's stages (`flows.overlap`).
 
     Returns (the step's metrics, whether this call trained the iteration). Everything is read back
     from the store, so a call after a crash finishes what the crashed process left undone. An
@@ -154,10 +155,10 @@ def complete_iteration(
 
     cfg, root, name = run.cfg, run.layout.root_url, run.layout.run_name
     launch = cfg.launch.model_dump(mode="json")
-    ran = False
+    ran = trained
     metrics: dict[str, float] = {}
     if n > 0:
-        if (read_latest(run.layout) or 0) < n:
+        if not trained and (read_latest(run.layout) or 0) < n:
             if prefetch is not None:  # iteration n's own stages ran ahead and were waited for last call
                 prefetch.ahead_of(n)
             sdpo_iteration(root, name, n, launch)

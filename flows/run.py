@@ -1,7 +1,8 @@
 """A whole run as a Prefect flow: create or resume it, then bring every iteration to done.
 
 base model -> for n in 0..N: complete_iteration(n)  [iteration n, its evaluation when due,
-                                                      its MLflow step, its Prefect artifacts]
+                                                      its MLflow step, its Prefect artifacts;
+                                                      its commit beside n+1's rollout: flows/overlap.py]
            -> summary (MLflow artifacts, the Prefect run summary, then the store's record)
 
 A flow run that finds the run finished (a second request queued behind the one that finished it)
@@ -16,8 +17,9 @@ from typing import Any
 
 from prefect import flow
 
-from flows.iteration import Prefetch, complete_iteration, finish_run, finished_reason, writer_or_cancelled
+from flows.iteration import Prefetch, finish_run, finished_reason, writer_or_cancelled
 from flows.orchestration import logs_to_flow_run, name_flow_run, quiet_libraries, skipped, skipped_run_name
+from flows.overlap import CommitOverlap
 from tasks import stages
 from tasks.allocator import keep_freed_heap
 
@@ -84,9 +86,12 @@ def sdpo_run(
 
         with tracker.system_metrics():
             summary.base_info = stages.prepare_base(cfg.storage.root, cfg.name)
-            with Prefetch(run) as prefetch:  # with pipeline.max_staleness k: the next k rollouts during training
+            # with pipeline.max_staleness k: the next k rollouts during training; else, with
+            # launch.overlap_commits, each iteration's commit beside the next one's rollout
+            with Prefetch(run) as prefetch, CommitOverlap(run, tracker) as iterations:
                 for n in range(cfg.iterations + 1):
-                    summary.record(n, complete_iteration(run, tracker, n, prefetch)[0])
+                    for done, metrics in iterations.advance(n, prefetch):
+                        summary.record(done, metrics)
         latest = read_latest(layout)
         if latest is None or latest < cfg.iterations:
             raise RuntimeError(f"run {cfg.name!r} ended with LATEST = {latest}, expected {cfg.iterations}")

@@ -205,7 +205,9 @@ def lineage(layout: RunLayout) -> list[LineageRecord]:
     records = []
     for n in layout.checkpoint_iterations():
         committed = iteration_committed(layout, n)
-        committed_refs = read_iteration_manifest(layout, n).data["checkpoints"] if committed else {}
+        committed_refs = dict(read_iteration_manifest(layout, n).data["checkpoints"]) if committed else {}
+        if "megatron" not in committed_refs and (background := _full_state_named_later(layout, n)) is not None:
+            committed_refs["megatron"] = background
         for kind in CHECKPOINT_KINDS:
             if not checkpoint_exists(layout, n, kind):
                 continue
@@ -235,6 +237,16 @@ def lineage(layout: RunLayout) -> list[LineageRecord]:
                 )
             )
     return records
+
+
+def _full_state_named_later(layout: RunLayout, n: int) -> dict[str, str] | None:
+    """The reference to iteration n's full state that iteration n+1 committed: a full state saved in
+    the background is uploaded, and named among its parents, by the next train stage."""
+    if not iteration_committed(layout, n + 1):
+        return None
+    path = layout.relative(layout.checkpoint_manifest(n, "megatron"))
+    train = read_manifest(layout, layout.stage_manifest(n + 1, "train"))
+    return next((dict(ref) for ref in train.data["parents"] if ref.get("path") == path), None)
 
 
 def _size(n: int) -> str:

@@ -30,21 +30,26 @@ RESUME_ENV = "SDPO_PAUSE_UNTIL"
 CRASH_POINTS = (
     "stage.start:rollout",
     "stage.files_written:rollout",  # shards written, manifest not yet
+    "rollout.awaiting_parent_commit",  # sampled from weights handed over: the previous commit still in flight
     "stage.committed:rollout",  # manifest written, task not yet returned
     "stage.start:teacher",
     "stage.files_written:teacher",
+    "teacher.awaiting_parent_commit",  # scored with a teacher handed over: the previous commit still in flight
     "stage.committed:teacher",
     "stage.start:train",
     "train.trained",  # optimizer steps done, nothing saved
+    "train.handed_over",  # the weights handed to the next iteration's stages, nothing stored yet
     "checkpoint.uploading:policy",  # some files of the policy checkpoint uploaded
     "checkpoint.committed:policy",  # policy checkpoint manifest written, train manifest not yet
     "checkpoint.uploading:teacher",
     "checkpoint.committed:teacher",
     "checkpoint.saving:megatron",  # inside the distributed-checkpoint save (local temp folder)
-    "checkpoint.uploading:megatron",
-    "checkpoint.committed:megatron",
     "stage.files_written:train",
     "stage.committed:train",
+    # the full state: uploaded by the stage that saved it (the last iteration, a process that ends
+    # there), or, saved in the background, by the next iteration's train stage
+    "checkpoint.uploading:megatron",
+    "checkpoint.committed:megatron",
     "commit.start",
     "commit.manifest_written",  # iteration manifest written, LATEST not yet moved
     "commit.latest_moved",

@@ -21,7 +21,7 @@ import logging
 import os
 import shutil
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
@@ -76,12 +76,16 @@ def _copy_hashing(source: str | os.PathLike[str], target: str | os.PathLike[str]
     return digest.hexdigest()
 
 
-def write_local_hashing(path: str | os.PathLike[str], data: bytes) -> str:
-    """Write `data` to the local file `path` and return its sha256, hashed from memory on a second
-    thread while the chunks are written (both release the interpreter lock): a writer that holds a
-    file's bytes never reads the file back to learn its digest."""
-    view = memoryview(data).cast("B")
-    chunks = [view[i : i + _HASH_CHUNK] for i in range(0, len(view), _HASH_CHUNK)]
+def write_local_hashing(path: str | os.PathLike[str], data: bytes | Sequence[Any]) -> str:
+    """Write `data` (bytes, or buffers written one after the other) to the local file `path` and
+    return its sha256, hashed from memory on a second thread while the chunks are written (both
+    release the interpreter lock): a writer that holds a file's bytes never reads the file back to
+    learn its digest, and buffers (a tensor's memory) are never copied into one bytes object."""
+    parts = [data] if isinstance(data, (bytes, bytearray, memoryview)) else list(data)
+    chunks = []
+    for part in parts:
+        view = memoryview(part).cast("B")
+        chunks += [view[i : i + _HASH_CHUNK] for i in range(0, len(view), _HASH_CHUNK)]
     digest = hashlib.sha256()
 
     def hash_all() -> None:

@@ -241,10 +241,16 @@ def apply_after_commit(
     through = record["through"]
     if through == latest:
         return []
+    # a full state saved in the background lands after its own iteration's commit, named by the next
+    # iteration's train stage: the pass after that commit takes up the iteration before it as well
+    first = {
+        kind: through if kind in RESUMABLE_KINDS and not is_pruned(layout, through, kind) else through + 1
+        for kind in CHECKPOINT_KINDS
+    }
     committed = {
         kind: sorted(
             set(record["pending"][kind])
-            | {n for n in range(through + 1, latest + 1) if layout.store.exists(layout.checkpoint_manifest(n, kind))}
+            | {n for n in range(first[kind], latest + 1) if layout.store.exists(layout.checkpoint_manifest(n, kind))}
         )
         for kind in CHECKPOINT_KINDS
     }

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ import numpy as np
 from sdpo_core.records import Verdict
 from storage.manifest import Manifest
 from tasks.config import RolloutConfig, RunConfig
-from tasks.runtime import Run, checkpoint_dir
+from tasks.runtime import Run
 
 logger = logging.getLogger(__name__)
 
@@ -24,10 +25,19 @@ _ENGINES: dict[tuple[str, str], Any] = {}
 _VERIFIERS: dict[tuple[str, str, float], Any] = {}  # one budgeted verifier worker per configuration
 
 
-def get_engine(rollout: RolloutConfig, policy_dir: Path, *, cache_key: str, policy: Manifest | None = None) -> Any:
+def get_engine(
+    rollout: RolloutConfig,
+    policy_dir: Path,
+    *,
+    cache_key: str,
+    policy: Manifest | None = None,
+    weights: Mapping[str, Any] | None = None,
+) -> Any:
     """The rollout engine holding `policy_dir`'s weights; one per run and process, reloaded in place
     (from memory when `policy`, the folder's checkpoint manifest, names weights this process kept;
-    the evaluation also samples from a teacher checkpoint)."""
+    the evaluation also samples from a teacher checkpoint). `weights`: the tensors to sample with,
+    handed over before the store holds them (`tasks.handover`); `policy_dir` then holds the
+    architecture and tokenizer only."""
     from tasks import kept_weights
 
     key = (cache_key, rollout.engine)
@@ -56,6 +66,10 @@ def get_engine(rollout: RolloutConfig, policy_dir: Path, *, cache_key: str, poli
                 check_logprobs=cfg.check_logprobs,
             )
         _ENGINES[key] = engine
+        if weights is not None:
+            engine.load_weights(str(policy_dir), weights=weights)
+    elif weights is not None:
+        engine.load_weights(str(policy_dir), weights=weights)
     elif policy is None:
         engine.load_weights(str(policy_dir))
     else:
@@ -145,14 +159,16 @@ def sample_groups(
     iteration: int,
     progress: bool = True,
     policy: Manifest | None = None,
+    weights: Mapping[str, Any] | None = None,
 ) -> tuple[dict[str, Any], dict[str, float]]:
     """Sample `n` answers for each row and verify them. Returns (columns, metrics). `policy` is
-    `policy_dir`'s checkpoint manifest: its weights come from memory when this process kept them."""
+    `policy_dir`'s checkpoint manifest: its weights come from memory when this process kept them;
+    `weights`, tensors handed over in memory, are sampled with instead of the folder's."""
     from tasks.tokenizers import checkpoint_tokenizer
 
     cfg = run.cfg
     tokenizer = checkpoint_tokenizer(policy_dir, policy)
-    engine = get_engine(cfg.rollout, policy_dir, cache_key=run.url, policy=policy)
+    engine = get_engine(cfg.rollout, policy_dir, cache_key=run.url, policy=policy, weights=weights)
     prompt_ids = render_prompt_ids(tokenizer, [r["prompt_messages"] for r in rows], cfg.model.chat_template_kwargs)
     k = effective_top_k(cfg, len(tokenizer))
     stop_ids = [int(tokenizer.eos_token_id)]
@@ -247,10 +263,10 @@ _ROLLOUT_COLUMNS = (
 def run_rollout(root: str, run_name: str, iteration: int) -> dict:
     """Rollout stage of `iteration`: returns its manifest (a committed one is checked, then reused)."""
     from storage.adopt import adopt_stage
-    from storage.checkpoints import resolve_checkpoint
     from storage.manifest import stage_done
     from storage.shard_writer import write_shards
     from tasks.data.prompts import iteration_prompts, training_rows
+    from tasks.handover import open_checkpoint
     from tasks.runtime import behaviour_iteration, open_run
 
     run = open_run(root, run_name)
@@ -270,13 +286,14 @@ def run_rollout(root: str, run_name: str, iteration: int) -> dict:
         train_rows, iteration=iteration, per_iteration=cfg.data.prompts_per_iteration, seed=cfg.seed
     )
     behaviour = behaviour_iteration(cfg, iteration)
-    policy = resolve_checkpoint(run.layout, f"iter-{behaviour}", "policy")
-    policy_dir = checkpoint_dir(run, behaviour, "policy")
+    # handed over in memory while its iteration commits (tasks/handover.py), else the stored one
+    policy = open_checkpoint(run, behaviour, "policy")
     columns, metrics = sample_groups(
         run,
         rows=rows,
-        policy_dir=policy_dir,
-        policy=policy,
+        policy_dir=policy.folder,
+        policy=policy.stand_in,
+        weights=policy.weights,
         n=cfg.rollout.group_size,
         temperature=cfg.rollout.temperature,
         top_p=cfg.rollout.top_p,
@@ -289,4 +306,9 @@ def run_rollout(root: str, run_name: str, iteration: int) -> dict:
     output = write_shards(run.layout, iteration, "rollout", columns, logprob_dtype=cfg.storage.logprob_dtype)
     metrics["rollout/write_seconds"] = time.perf_counter() - written
     metrics["rollout/stage_seconds"] = time.perf_counter() - started  # its shards written; the manifest holds it
-    return output.commit(parents=[policy], metrics=metrics)  # parent: the behaviour policy
+    if policy.handed_over:
+        crash_point("rollout.awaiting_parent_commit", iteration)
+    waited = time.perf_counter()
+    behaviour_policy = policy.manifest()  # the parent, once its iteration is committed
+    metrics["rollout/parent_wait_seconds"] = time.perf_counter() - waited
+    return output.commit(parents=[behaviour_policy], metrics=metrics)

@@ -138,17 +138,6 @@ def teacher_checkpoint(run: Run, iteration: int) -> tuple[int, str]:
     raise ValueError(f"teacher.update={mode!r} is not a known update mode")
 
 
-def teacher_source(run: Run, iteration: int) -> tuple[Path, Path | None]:
-    """(teacher weights, reference weights or None) used to score iteration `iteration`.
-
-    static: the initial policy. live: the behaviour policy (`behaviour_iteration`). ema: the EMA
-    teacher written by the behaviour policy's iteration. trust-region: the behaviour policy mixed
-    with the initial one at the logit level, so both are returned.
-    """
-    teacher = checkpoint_dir(run, *teacher_checkpoint(run, iteration))
-    return teacher, checkpoint_dir(run, 0, "policy") if run.cfg.teacher.update == "trust-region" else None
-
-
 def _retention_rules(run: Run) -> dict[str, Any]:
     """The run's retention rules and staleness, and its evaluations by iteration, as `storage.retention` takes them."""
     from storage.retention import KeepRule

@@ -12,55 +12,69 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
-from storage.manifest import Manifest
+from tasks.handover import HandedCheckpoint
 from tasks.runtime import Run
 
-# HF scoring models by role ('teacher', 'reference'): (run URL, sha256 of the weights file they hold, model)
+# HF scoring models by role ('teacher', 'reference'): (run URL, identity of the weights they hold, model)
 _HF: dict[str, tuple[str, str, Any]] = {}
-# the Megatron scorer: ((run URL, tensor parallel, fused kernels), sha256 of the teacher's weights
-# file, of the reference's or None, scorer); at most one
+# the Megatron scorer: ((run URL, tensor parallel, fused kernels), identity of the teacher's weights,
+# of the reference's or None, scorer); at most one (identities: `_identity`)
 _MEGATRON: list[tuple[tuple[str, int, bool], str, str | None, Any]] = []
 
 
+def _identity(checkpoint: HandedCheckpoint) -> str:
+    """What a kept model holds when it holds `checkpoint`: its weights file's sha256 once stored,
+    else the hand-over it came from (a checkpoint still being committed has no digest yet)."""
+    from tasks import kept_weights
+
+    if checkpoint.weights is not None:
+        return f"handed-over:{checkpoint.iteration}:{checkpoint.kind}"
+    return kept_weights.weights_digest(checkpoint.stand_in)
+
+
 @contextlib.contextmanager
-def _stored_weights(folder: Path, manifest: Manifest) -> Iterator[Any]:
-    """The checkpoint's weights for the block: the copy this process kept, else its file's."""
+def _weights(checkpoint: HandedCheckpoint) -> Iterator[Any]:
+    """The checkpoint's weights for the block: handed over, the copy this process kept, or its file's."""
     from safetensors.torch import load_file
 
     from tasks import kept_weights
 
-    with kept_weights.borrowed(manifest) as kept:
-        yield kept if kept is not None else load_file(str(folder / kept_weights.WEIGHTS_FILE))
+    if checkpoint.weights is not None:
+        yield checkpoint.weights
+        return
+    with kept_weights.borrowed(checkpoint.stand_in) as kept:
+        yield kept if kept is not None else load_file(str(checkpoint.folder / kept_weights.WEIGHTS_FILE))
 
 
-def hf_scorer(run: Run, role: str, folder: Path, manifest: Manifest) -> Any:
-    """An HF model (float32, eval) holding the weights of the checkpoint `manifest` names, stored in
-    `folder`: this process's model of that role with the weights copied in, or built from the folder."""
+def hf_scorer(run: Run, role: str, checkpoint: HandedCheckpoint) -> Any:
+    """An HF model (float32, eval) holding the weights of `checkpoint`: this process's model of
+    that role with the weights copied in, or built from the checkpoint's folder."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from tasks import kept_weights
 
-    digest = kept_weights.weights_digest(manifest)
-    entry = _HF.pop(role, None)  # back below once its weights are those of `manifest`
+    identity = _identity(checkpoint)
+    entry = _HF.pop(role, None)  # back below once its weights are those of `checkpoint`
     if entry is None or entry[0] != run.url:
-        model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+        model = AutoModelForCausalLM.from_pretrained(str(checkpoint.folder), dtype=torch.float32).eval()
+        if checkpoint.weights is not None:  # the folder is a stand-in for the architecture
+            kept_weights.load_into(model, checkpoint.weights)
     else:
         model = entry[2]
-        if entry[1] != digest:
-            with _stored_weights(folder, manifest) as weights:
+        if entry[1] != identity:
+            with _weights(checkpoint) as weights:
                 kept_weights.load_into(model, weights)
-    _HF[role] = (run.url, digest, model)
+    _HF[role] = (run.url, identity, model)
     return model
 
 
-def megatron_scorer(run: Run, teacher: tuple[Path, Manifest], reference: tuple[Path, Manifest] | None) -> Any:
-    """A `MegatronTeacherScorer` holding the teacher checkpoint (folder, manifest) and the
-    trust-region reference if any: this process's scorer with the new weights copied in, or built
-    from the folders (bf16 on a GPU, float32 on the CPU)."""
+def megatron_scorer(run: Run, teacher: HandedCheckpoint, reference: HandedCheckpoint | None) -> Any:
+    """A `MegatronTeacherScorer` holding the teacher checkpoint and the trust-region reference if
+    any: this process's scorer with the new weights copied in, or built from the folders (bf16 on a
+    GPU, float32 on the CPU)."""
     import torch
     from transformers import AutoConfig
 
@@ -71,35 +85,36 @@ def megatron_scorer(run: Run, teacher: tuple[Path, Manifest], reference: tuple[P
 
     cfg = run.cfg
     key = (run.url, cfg.train.tensor_parallel, cfg.train.fused_kernels)
-    digests = (
-        kept_weights.weights_digest(teacher[1]),
-        None if reference is None else kept_weights.weights_digest(reference[1]),
-    )
+    wanted = (_identity(teacher), None if reference is None else _identity(reference))
     entry = _MEGATRON.pop() if _MEGATRON else None  # back below once it holds these weights
     if entry is None or entry[0] != key or (entry[2] is None) != (reference is None):
         scorer = MegatronTeacherScorer.from_hf(
-            teacher[0],
+            teacher.folder,
             tensor_parallel=cfg.train.tensor_parallel,
             dtype=torch.bfloat16 if torch.cuda.is_available() else torch.float32,
             seed=cfg.seed,
-            reference_dir=None if reference is None else reference[0],
+            reference_dir=None if reference is None else reference.folder,
             fused_kernels=cfg.train.fused_kernels,
         )
+        # what the folders held: the checkpoints' own weights, or a stand-in's for handed-over ones
+        held = (
+            kept_weights.weights_digest(teacher.stand_in),
+            None if reference is None else kept_weights.weights_digest(reference.stand_in),
+        )
     else:
-        scorer = entry[3]
+        scorer, held = entry[3], (entry[1], entry[2])
         # the CPU compatibility patches are per thread; a stage may run on a new worker thread
         init_parallel(tensor_parallel=cfg.train.tensor_parallel, seed=cfg.seed)
-        hf_config = AutoConfig.from_pretrained(str(teacher[0]))
-        refills: list[tuple[tuple[Path, Manifest], Any, str | None, str | None]] = [
-            (teacher, scorer.model, entry[1], digests[0])
-        ]
-        if reference is not None:
-            refills.append((reference, scorer.reference, entry[2], digests[1]))
-        for (folder, manifest), model, had, wants in refills:
-            if had != wants:
-                with _stored_weights(folder, manifest) as weights:
-                    load_hf_state_into_megatron(model, weights, hf_config, source=str(folder))
-    _MEGATRON.append((key, digests[0], digests[1], scorer))
+    refills: list[tuple[HandedCheckpoint, Any, str | None, str | None]] = [(teacher, scorer.model, held[0], wanted[0])]
+    if reference is not None:
+        refills.append((reference, scorer.reference, held[1], wanted[1]))
+    hf_config = None
+    for checkpoint, model, had, wants in refills:
+        if had != wants:
+            hf_config = hf_config or AutoConfig.from_pretrained(str(teacher.folder))
+            with _weights(checkpoint) as weights:
+                load_hf_state_into_megatron(model, weights, hf_config, source=str(checkpoint.folder))
+    _MEGATRON.append((key, wanted[0], wanted[1], scorer))
     return scorer
 
 

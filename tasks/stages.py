@@ -96,10 +96,14 @@ def train(
 def commit(root: str, run: str, iteration: int, manifests: list[dict[str, Any]]) -> dict[str, Any]:
     """`manifests`: what the rollout, teacher and train tasks handed on; the commit checks that the
     stage manifests it names still have those digests."""
+    from storage.layout import RunLayout
+    from tasks import handover
     from tasks.commit import STAGES, run_commit
 
     handed = {stage: m["sha256"] for stage, m in zip(STAGES, manifests, strict=True)}
-    return _plain(run_commit(root, run, iteration, handed))
+    committed = _plain(run_commit(root, run, iteration, handed))
+    handover.committed(RunLayout(root, run).run_url, iteration)  # the next stages may write their manifests
+    return committed
 
 
 @task(name="evaluate", task_run_name="{run}/iter-{iteration:04d}/eval", **RETRIES)

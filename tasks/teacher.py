@@ -102,14 +102,14 @@ def run_teacher(root: str, run_name: str, iteration: int) -> dict | None:
     from sdpo_core.grpo import group_advantages
     from sdpo_core.routing import pass_rates
     from storage.adopt import adopt_stage
-    from storage.checkpoints import resolve_checkpoint
     from storage.manifest import read_stage_manifest, stage_done
     from storage.shard_reader import read_stage_columns
     from storage.shard_writer import write_shards
     from tasks import scoring_models
     from tasks.engines.scorer import score_teacher
+    from tasks.handover import open_checkpoint
     from tasks.rollout import render_prompt_ids
-    from tasks.runtime import open_run, teacher_checkpoint, teacher_source
+    from tasks.runtime import open_run, teacher_checkpoint
     from tasks.tokenizers import checkpoint_tokenizer
 
     run = open_run(root, run_name)
@@ -136,11 +136,11 @@ def run_teacher(root: str, run_name: str, iteration: int) -> dict | None:
 
     source_n, source_kind = teacher_checkpoint(run, iteration)
     metrics: dict[str, float] = {"teacher/source_iteration": float(source_n)}
-    teacher_dir, reference_dir = teacher_source(run, iteration)
-    teacher_manifest = resolve_checkpoint(run.layout, f"iter-{source_n}", source_kind)
-    # the trust region's reference, the base policy: (folder, manifest), read only when there is one
-    base = None if reference_dir is None else (reference_dir, resolve_checkpoint(run.layout, "iter-0", "policy"))
-    tokenizer = checkpoint_tokenizer(teacher_dir, teacher_manifest)
+    # handed over in memory while its iteration commits (tasks/handover.py), else the stored one
+    teacher = open_checkpoint(run, source_n, source_kind)
+    # the trust region's reference, the base policy, read only when there is one
+    base = open_checkpoint(run, 0, "policy") if cfg.teacher.update == "trust-region" else None
+    tokenizer = checkpoint_tokenizer(teacher.folder, teacher.stand_in)
     k = int(columns["topk_ids"][0].shape[1]) if n_rows else cfg.rollout.top_k
 
     if cfg.loss.type == "grpo":
@@ -161,23 +161,23 @@ def run_teacher(root: str, run_name: str, iteration: int) -> dict | None:
         sources = [c.source for c in contexts]
         masks = [bool(c.mask) for c in contexts]
         sequences = [(t, list(map(int, r))) for t, r in zip(teacher_ids, columns["response_ids"], strict=True)]
-        rate = cfg.teacher.update_rate if reference_dir is not None else None
+        rate = cfg.teacher.update_rate if base is not None else None
         score_started = time.perf_counter()
         if cfg.teacher.backend == "megatron":
             from tasks.megatron.scorer import score_teacher_megatron
 
             scored = score_teacher_megatron(
-                scoring_models.megatron_scorer(run, (teacher_dir, teacher_manifest), base),
+                scoring_models.megatron_scorer(run, teacher, base),
                 sequences=sequences,
                 topk_ids=list(columns["topk_ids"]),
                 batch_tokens=cfg.teacher.batch_tokens,
                 trust_region_rate=rate,
             )
         else:
-            model = scoring_models.hf_scorer(run, "teacher", teacher_dir, teacher_manifest)
+            model = scoring_models.hf_scorer(run, "teacher", teacher)
             reference = None
             if base is not None:
-                reference = scoring_models.hf_scorer(run, "reference", *base)
+                reference = scoring_models.hf_scorer(run, "reference", base)
             scored = score_teacher(
                 model,
                 sequences=sequences,
@@ -218,8 +218,13 @@ def run_teacher(root: str, run_name: str, iteration: int) -> dict | None:
     output = write_shards(run.layout, iteration, "teacher", out, top_k=k, logprob_dtype=cfg.storage.logprob_dtype)
     metrics["teacher/write_seconds"] = time.perf_counter() - written
     metrics["teacher/stage_seconds"] = time.perf_counter() - started  # its shards written; the manifest holds it
-    # parents: the rollout it scored and the checkpoint whose weights scored it
-    return output.commit(parents=[parent, teacher_manifest], metrics=metrics)
+    if teacher.handed_over:
+        crash_point("teacher.awaiting_parent_commit", iteration)
+    waited = time.perf_counter()
+    scored_by = teacher.manifest()  # the checkpoint whose weights scored it, once committed
+    metrics["teacher/parent_wait_seconds"] = time.perf_counter() - waited
+    # parents: the rollout it scored and the teacher checkpoint
+    return output.commit(parents=[parent, scored_by], metrics=metrics)
 
 
 def decision_metrics(

@@ -7,13 +7,13 @@ and the stage manifest naming them, written last. The trainer itself is `tasks/m
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from tasks import handover
 from tasks.kept_weights import WEIGHTS_FILE
 from tasks.runtime import Run
 
@@ -91,6 +91,7 @@ def _store_checkpoint(
     from tasks.megatron.hf_export import write_hf_folder
 
     written, digest = write_hf_folder(weights, hf_config, folder, tokenizer=tokenizer, config_dtype=config_dtype)
+    handover.digest_taken(run.url, iteration, kind, digest)
     if isinstance(parent, Future):
         parent = parent.result()[1]
     manifest = upload_checkpoint(
@@ -104,32 +105,6 @@ def _store_checkpoint(
         written={WEIGHTS_FILE: digest},
     )
     return written, manifest
-
-
-@contextlib.contextmanager
-def _shared_scratch(cache_dir: str, rank: int) -> Any:
-    """A scratch folder every rank writes into: rank 0 makes it, the others are told its path."""
-    import torch.distributed as dist
-
-    from storage.scratch import scratch_dir
-
-    holder: list[Any] = [None]
-    with contextlib.ExitStack() as stack:
-        if rank == 0:
-            holder[0] = str(stack.enter_context(scratch_dir(cache_dir, "ckpt")))
-        dist.broadcast_object_list(holder, src=0)
-        yield Path(holder[0])
-        dist.barrier()  # nobody is still writing when rank 0 removes it
-
-
-def _check_shared(folder: Path, world: int) -> None:
-    """Every rank left its marker in `folder`: the ranks share the file system the checkpoint needs."""
-    missing = [r for r in range(world) if not (folder / f".rank-{r}").exists()]
-    if missing:
-        raise RuntimeError(
-            f"ranks {missing} wrote their checkpoint shards somewhere rank 0 cannot see ({folder}): with "
-            "torchrun over several nodes, storage.cache_dir must be on a file system all nodes share"
-        )
 
 
 def run_train(root: str, run_name: str, iteration: int) -> dict | None:
@@ -146,7 +121,7 @@ def run_train(root: str, run_name: str, iteration: int) -> dict | None:
 
     from storage.adopt import adopt_stage
     from storage.cache import adopt_into_cache
-    from storage.checkpoints import discard_checkpoint, resolve_checkpoint, upload_checkpoint
+    from storage.checkpoints import discard_checkpoint, read_checkpoint_manifest, resolve_checkpoint, upload_checkpoint
     from storage.faults import crash_point
     from storage.layout import CHECKPOINT_KINDS
     from storage.manifest import read_stage_manifest, stage_done
@@ -155,7 +130,8 @@ def run_train(root: str, run_name: str, iteration: int) -> dict | None:
     from tasks import kept_weights
     from tasks.megatron.batches import TRAIN_COLUMNS
     from tasks.megatron.parallel import init_parallel
-    from tasks.megatron.resume import get_trainer
+    from tasks.megatron.resume import full_state_due, get_trainer, start_full_state_save, upload_full_state
+    from tasks.megatron.shared_scratch import check_shared, mark_shared, shared_scratch
     from tasks.runtime import cache_bound_bytes, open_run
     from tasks.tokenizers import stored_tokenizer
 
@@ -201,7 +177,7 @@ def run_train(root: str, run_name: str, iteration: int) -> dict | None:
     # policy's manifest (its parent); the stage manifest waits for all of them. The scratch files
     # are handed over: with `storage.link_uploads`, a file:// store on their file system takes
     # them as hard links instead of copying them.
-    with _shared_scratch(cfg.storage.cache_dir, rank) as tmp_path, ThreadPoolExecutor(2, "checkpoint") as writers:
+    with shared_scratch(cfg.storage.cache_dir, rank) as tmp_path, ThreadPoolExecutor(2, "checkpoint") as writers:
         clock = time.perf_counter()
         exported = trainer.export_hf()  # collective; rank 0 gets the policy's weights on the device
         metrics["train/export_seconds"], clock = time.perf_counter() - clock, time.perf_counter()
@@ -219,21 +195,32 @@ def run_train(root: str, run_name: str, iteration: int) -> dict | None:
             )  # fmt: skip
             teacher = update_teacher(run, iteration, student=exported)
             metrics["train/teacher_update_seconds"] = time.perf_counter() - clock
+            # the next iteration's rollout and teacher prefill may start from these now (tasks/handover.py)
+            offered = {"policy": exported} if teacher is None else {"policy": exported, "teacher": teacher}
+            if handover.offer(run.url, iteration, offered) is not None:
+                crash_point("train.handed_over", iteration)
+            # what the next iteration waits for, with pipelined commits: the rest runs beside it
+            metrics["train/handover_seconds"] = time.perf_counter() - started
             if teacher is not None:
                 teacher_job = writers.submit(
                     _store_checkpoint, run, teacher, teacher_dir, iteration, "teacher",
                     parent=policy_job, trained_on=[parent], **common,
                 )  # fmt: skip
         last = iteration == cfg.iterations
-        full_state = last or iteration % cfg.train.megatron_checkpoint_every == 0
-        if full_state:
-            save_started = time.perf_counter()
+        save_started = time.perf_counter()
+        # the full state an earlier iteration saved in the background, completed here (collective)
+        earlier = trainer.finish_megatron_save()
+        mdir = None
+        due = last or full_state_due(run, iteration)
+        if due and not last and handover.slot(run.url, iteration) is not None:
+            # this process trains the next iteration too (pipelined commits): staged to host memory
+            # here, written on a thread, uploaded and named by the next train stage
+            start_full_state_save(trainer, cfg.storage.cache_dir, iteration=iteration)
+        elif due:  # saved before the stage commits (the run's end, or a process that ends here)
             mdir = tmp_path / "megatron"
             trainer.save_megatron(mdir, iteration=iteration)  # collective; every rank writes its shards
-            if world > 1:
-                (tmp_path / f".rank-{rank}").touch()
-                dist.barrier()
-            metrics["train/megatron_save_seconds"] = time.perf_counter() - save_started
+            mark_shared(tmp_path, rank, world)
+        metrics["train/megatron_save_seconds"] = time.perf_counter() - save_started
         if rank == 0:
             clock = time.perf_counter()
             policy, policy_manifest = policy_job.result()
@@ -247,22 +234,30 @@ def run_train(root: str, run_name: str, iteration: int) -> dict | None:
                 uploaded.append((teacher_dir, teacher_manifest))
             metrics["train/upload_wait_seconds"] = time.perf_counter() - clock
             del exported  # views of the model's weights: nothing reads them once the writers are done
-        if full_state and rank == 0:
             upload_started = time.perf_counter()
-            if world > 1:
-                _check_shared(tmp_path, world)
-            produced.append(
-                upload_checkpoint(
-                    mdir,
-                    run.layout,
-                    iteration,
-                    "megatron",
-                    parent=produced[0],
-                    trained_on=[parent],
-                    handed_over=cfg.storage.link_uploads,
+            # the full state the previous iteration saved in the background, named by this stage:
+            # the commit that names it waited for it
+            if earlier is not None:
+                produced.append(upload_full_state(run, earlier))
+            elif full_state_due(run, iteration - 1):  # uploaded by an attempt of this stage that did not commit
+                produced.append(read_checkpoint_manifest(run.layout, iteration - 1, "megatron"))
+            if mdir is not None:
+                if world > 1:
+                    check_shared(tmp_path, world)
+                produced.append(
+                    upload_checkpoint(
+                        mdir,
+                        run.layout,
+                        iteration,
+                        "megatron",
+                        parent=produced[0],
+                        trained_on=[parent],
+                        handed_over=cfg.storage.link_uploads,
+                    )
                 )
-            )
-            metrics["train/megatron_save_seconds"] += time.perf_counter() - upload_started  # its save and upload
+            metrics["train/megatron_upload_seconds"] = time.perf_counter() - upload_started
+        if earlier is not None:
+            earlier.release()  # collective: its scratch folder goes once rank 0 uploaded it
         for folder, manifest in uploaded:  # the next stages read these from the cache, not from the store
             adopt_into_cache(folder, manifest, cache_dir=cfg.storage.cache_dir, max_cache_bytes=cache_bound_bytes(cfg))
     if rank != 0:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import statistics
 import time
 from collections.abc import Callable
@@ -151,3 +152,29 @@ def environment() -> dict[str, Any]:
         "megatron_core": megatron.core.__version__,
         "transformers": transformers.__version__,
     }
+
+
+# CUDA kernel names by category, first match wins: the profiles of a training step, a decode step,
+# the draw and the teacher's scoring
+KERNEL_CATEGORIES = [
+    ("decode attention", re.compile(r"_decode_attention|partial|combine", re.I)),
+    ("attention", re.compile(r"flash|fmha|cudnn|attention|sdpa", re.I)),
+    ("gemm", re.compile(r"gemm|cutlass|xmma|nvjet|cublas|sm90_|splitk", re.I)),
+    ("optimizer", re.compile(r"adam|multi_tensor", re.I)),
+    ("top-k / sort", re.compile(r"topk|sort|radix", re.I)),
+    ("softmax", re.compile(r"softmax", re.I)),
+    ("scan (cumsum)", re.compile(r"scan|cumsum", re.I)),
+    ("compiled (triton)", re.compile(r"triton", re.I)),
+    ("norm", re.compile(r"rms|layer_norm|norm_kernel", re.I)),
+    ("reduce", re.compile(r"reduce", re.I)),
+    ("copy / cat / fill / index", re.compile(r"copy|memcpy|memset|cat|fill|index|gather|scatter", re.I)),
+    ("elementwise", re.compile(r"elementwise|vectorized|unrolled", re.I)),
+]
+
+
+def kernel_category(name: str) -> str:
+    """The category of a CUDA kernel's name (`KERNEL_CATEGORIES`), "other" when none matches."""
+    for label, pattern in KERNEL_CATEGORIES:
+        if pattern.search(name):
+            return label
+    return "other"

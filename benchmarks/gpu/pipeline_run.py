@@ -112,19 +112,29 @@ def read_run(root: str, name: str, *, tracking_uri: str, flops: tuple[float, flo
         wall = committed - previous
         previous = committed
         row: dict[str, Any] = {"iteration": n, "wall_s": round(wall, 4)}
+        # with pipelined commits the train stage's outputs are written beside the next iteration:
+        # what the iteration waits for of it ends when its weights are handed over
+        handover = metrics.get("train/handover_seconds", metrics["train/stage_seconds"])
+        row["train_handover_s"] = round(handover, 4)
+        row["train_beside_next_s"] = round(metrics["train/stage_seconds"] - handover, 4)
         staged = 0.0
         for stage, (stage_key, compute_key, rate_key) in COMPUTE.items():
-            staged += metrics[stage_key]
+            staged += handover if stage == "train" else metrics[stage_key]
             row[f"{stage}_stage_s"] = round(metrics[stage_key], 4)
             row[f"{stage}_compute_s"] = round(metrics[compute_key], 4)
             row[f"{stage}_tokens_per_s"] = round(metrics[rate_key])
         for stage in ("rollout", "teacher"):  # the stage's shards written, inside its stage seconds
             row[f"{stage}_write_s"] = round(metrics.get(f"{stage}/write_seconds", 0.0), 4)
+            # waiting for the previous iteration's commit before its manifest (pipelined commits)
+            row[f"{stage}_parent_wait_s"] = round(metrics.get(f"{stage}/parent_wait_seconds", 0.0), 4)
         row["outside_stages_s"] = round(wall - staged, 4)
         row["outside_stages_share"] = round((wall - staged) / wall, 4)
         compute = sum(metrics[c] for _, c, _ in COMPUTE.values())
         row["outside_compute_share"] = round((wall - compute) / wall, 4)
+        # the train stage's critical part less the optimizer step, as a share of the iteration
+        row["train_not_optimizer_share"] = round((handover - metrics["train/seconds"]) / wall, 4)
         row["megatron_save_s"] = round(metrics.get("train/megatron_save_seconds", 0.0), 2)
+        row["megatron_upload_s"] = round(metrics.get("train/megatron_upload_seconds", 0.0), 2)
         # the train stage less training and the full-state save: HF export, EMA teacher, uploads
         row["train_outputs_s"] = round(
             metrics["train/stage_seconds"] - metrics["train/seconds"] - row["megatron_save_s"], 2

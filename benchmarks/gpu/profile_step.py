@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import re
 import tempfile
 from collections import defaultdict
 from pathlib import Path
@@ -31,6 +30,7 @@ from benchmarks.gpu.common import (
     environment,
     flops_per_token,
     gib,
+    kernel_category,
     median,
     peak,
     qwen3_config,
@@ -39,23 +39,7 @@ from benchmarks.gpu.common import (
 from benchmarks.gpu.model_throughput import run_config, synthetic_columns
 from tasks.megatron.fusions import CompiledRMSNorm
 
-CATEGORIES = [
-    ("gemm", re.compile(r"gemm|cutlass|xmma|nvjet|cublas|sm90_", re.I)),
-    ("attention", re.compile(r"flash|fmha|cudnn|attention|sdpa", re.I)),
-    ("optimizer", re.compile(r"adam|multi_tensor", re.I)),
-    ("compiled (triton)", re.compile(r"triton", re.I)),
-    ("norm", re.compile(r"rms|layer_norm|norm_kernel", re.I)),
-    ("reduce", re.compile(r"reduce", re.I)),
-    ("copy / cat / fill", re.compile(r"copy|memcpy|memset|cat|fill|index|gather|scatter", re.I)),
-    ("elementwise", re.compile(r"elementwise|vectorized|unrolled", re.I)),
-]
-
-
-def categorise(name: str) -> str:
-    for label, pattern in CATEGORIES:
-        if pattern.search(name):
-            return label
-    return "other"
+categorise = kernel_category
 
 
 COPY_OPS = {

@@ -4,7 +4,8 @@
 # Wheels in .whl/ (docs/benchmarks.md lists them): megatron-core, transformers, pydantic, Prefect,
 # mlflow-skinny, TRL, datasets and what they need that the image lacks.
 # STEPS picks among "test test-dp2 test-tp2 pipe-0.6b trl-0.6b pipe-1.7b trl-1.7b pipe-1.7b-dp2
-# pipe-1.7b-tp2 mfu train-tests decode" (default: test pipe-0.6b trl-0.6b; decode: the captured-decode GPU
+# pipe-1.7b-tp2 mfu train-tests kernel-tests decode profile" (default: test pipe-0.6b trl-0.6b; profile: where the
+# decode step, the draw and the teacher scoring spend their time, benchmarks/gpu/iteration_profile.py; decode: the captured-decode GPU
 # tests and benchmarks/gpu/decode_bench.py on both shapes, captured and eager; train-tests: the training and
 # scorer GPU tests, tests/gpu/test_gpu_train.py; test-dp2 / test-tp2: on two GPUs, the pipeline-launched
 # DP=2 / TP=2 test of tests/gpu/test_gpu_pipeline.py, each beside the one-GPU run it compares with).
@@ -12,7 +13,8 @@
 # launcher (data parallel); pipe-1.7b-tp2: the same tensor parallel, the Megatron teacher stage on the
 # same two ranks. Their RESULT lines carry tokens/s and MFU per GPU; pipe-1.7b on the same machine is
 # the one-GPU baseline of the scaling efficiency.
-# PIPE_ITERS / TRL_ITERS set the iterations of each run (default 3 / 2), PIPE_TIMEOUT / TRL_TIMEOUT
+# PIPE_ITERS / TRL_ITERS set the iterations of each run (default 3 / 2), PIPE_OVERRIDES more dotted
+# overrides for the pipeline runs (e.g. train.megatron_checkpoint_every=5), PIPE_TIMEOUT / TRL_TIMEOUT
 # the seconds each may take (default 300 / 300); a pipeline run cut short is stopped with its
 # whole process group and read back for the iterations it committed. Each step's run folder under
 # /tmp is removed once its figures are in the log, so steps of one call (and calls on a machine kept
@@ -52,7 +54,7 @@ for shape in 0.6b 1.7b; do
   fi
   if has "pipe-$shape"; then
     python3 -m benchmarks.gpu.pipeline_run --shape $shape --out /tmp/pipe-$shape --iterations $PIPE_ITERS \
-      --timeout $PIPE_TIMEOUT > "$OUT/pipeline_$shape.log" 2>&1
+      --timeout $PIPE_TIMEOUT $PIPE_OVERRIDES > "$OUT/pipeline_$shape.log" 2>&1
     # read back already (RESULT lines in the log): the next step needs the disk (64 GiB on the device;
     # a 1.7B run's store and cache hold ~50 GB after two iterations with the final Megatron state)
     rm -rf /tmp/pipe-$shape
@@ -78,11 +80,19 @@ if has decode; then
   grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/gpu_decode_tests.log" | tail -8
   timeout 300 python3 -m benchmarks.gpu.decode_bench --shapes 0.6b 1.7b --loops static eager --repeat 1 > "$OUT/decode.log" 2>&1
 fi
+if has profile; then
+  timeout 300 python3 -m benchmarks.gpu.iteration_profile --shape 0.6b > "$OUT/profile.log" 2>&1
+fi
+if has kernel-tests; then  # the draw, RMSNorm and scoring kernels, and the pipelined hand-over
+  timeout 300 python3 -m pytest tests/gpu/test_gpu_kernels.py tests/gpu/test_gpu_handover.py -v -p no:cacheprovider \
+    -o addopts="" > "$OUT/gpu_kernel_tests.log" 2>&1
+  grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed" "$OUT/gpu_kernel_tests.log" | tail -14
+fi
 if has train-tests; then
   timeout 240 python3 -m pytest tests/gpu/test_gpu_train.py -v -p no:cacheprovider -o addopts="" > "$OUT/gpu_train_tests.log" 2>&1
   grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed" "$OUT/gpu_train_tests.log" | tail -8
 fi
-for f in "$OUT"/pipeline_*.log "$OUT"/trl_*.log "$OUT"/model_*.log "$OUT"/decode.log; do
+for f in "$OUT"/pipeline_*.log "$OUT"/trl_*.log "$OUT"/model_*.log "$OUT"/decode.log "$OUT"/profile.log; do
   [[ -f "$f" ]] || continue
   echo "== $f"; grep -E "^RESULT|Error|error:" "$f" | cut -c1-900 | tail -8
 done

@@ -229,6 +229,13 @@ class LaunchConfig(Section):
     teacher: StageLaunch = StageLaunch()
     train: StageLaunch = StageLaunch()
     eval: StageLaunch = StageLaunch()
+    overlap_commits: bool = Field(
+        True,
+        description="with in-process rollout, teacher and train stages and pipeline.max_staleness 0: the next "
+        "iteration samples and scores from the trained weights in memory while this one's checkpoints are written "
+        "and committed (the same bytes committed either way); false: each iteration starts once the previous one "
+        "is committed",
+    )
 
     @model_validator(mode="after")
     def _torchrun_stages(self) -> LaunchConfig:

@@ -100,6 +100,10 @@ class EmbeddedEngine(RolloutEngine):
             path, dtype=self._dtype, attn_implementation=register_decode_attention()
         )
         self._model = model.to(self._device).eval()
+        if self._device.type == "cuda":  # one kernel per RMSNorm instead of six
+            from tasks.engines.norm_kernel import use_fused_rms_norms
+
+            use_fused_rms_norms(self._model)
         self._weight_version = str(path.resolve())
         logger.info("embedded engine loaded %s", self._weight_version)
 
@@ -198,7 +202,8 @@ class EmbeddedEngine(RolloutEngine):
             use_cache=True,
             logits_to_keep=1,
         )
-        logits = out.logits[:, -1, :].float()  # [B, V]
+        # [B, V]: on a GPU in the model's dtype (the draw reads it as it is), else float32
+        logits = out.logits[:, -1, :] if device.type == "cuda" else out.logits[:, -1, :].float()
         outputs = DecodeOutputs.allocate(batch, max_new_tokens, top_k, device)
         settings = DrawSettings(uniforms=u, temperature=temperature, top_p=top_p, stop_ids=stop_ids)
         if static:
@@ -264,7 +269,7 @@ class EmbeddedEngine(RolloutEngine):
                 use_cache=True,
                 logits_to_keep=1,
             )
-            logits = result.logits[:, -1, :].float()
+            logits = result.logits[:, -1, :] if device.type == "cuda" else result.logits[:, -1, :].float()
             next_position = next_position + 1
 
 

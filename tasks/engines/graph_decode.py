@@ -59,7 +59,7 @@ class _Bucket:
     token: torch.Tensor  # [b] the last drawn token
     position: torch.Tensor  # [b] position id of the next forward's token
     start: torch.Tensor  # [b] first KV cache column of the row (its prompt's left padding ends there)
-    logits: torch.Tensor  # [b, V] float32, the logits the next draw reads
+    logits: torch.Tensor  # [b, V] the logits the next draw reads (the model's dtype on a GPU)
 
     def select(self, keep: torch.Tensor) -> _Bucket:
         return _Bucket(
@@ -167,7 +167,8 @@ def decode(
                 step(state)  # a real step, run eagerly: compiles and sets up what the capture then records
             torch.cuda.current_stream(device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            # thread-local: a train stage's writers may copy weights on another thread meanwhile
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                 step(state)
             replay = graph.replay
             captured += 1

@@ -67,24 +67,38 @@ def sample_step(
     settings: DrawSettings,
     out: DecodeOutputs,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draw decoding row i's token from `logits` [b, V] (float32) and record it in batch row `rows[i]`
-    at `step` (an int, or a device tensor [1]), with the top-K that `out` holds room for. Returns
+    """Draw decoding row i's token from `logits` [b, V] and record it in batch row `rows[i]` at
+    `step` (an int, or a device tensor [1]), with the top-K that `out` holds room for. Returns
     (token [b], finished [b] after this token).
 
     Rows already finished still draw and write (their columns past the stop are never read) but no
-    longer count tokens.
+    longer count tokens. On a GPU without top-p the draw and the log-probs come from two passes
+    over the logits in their own dtype (`tasks.engines.draw_kernel`) and the top-K from the logits
+    (log-probs are logits - logsumexp); elsewhere from a float32 log-softmax.
     """
-    logprobs = torch.log_softmax(logits, dim=-1)  # [b, V]
-    if settings.uniforms is None:
-        token = logprobs.argmax(dim=-1)
+    u = None if settings.uniforms is None else settings.uniforms[rows, step]  # [b]
+    k = out.topk_ids.shape[-1]
+    if logits.is_cuda and settings.top_p >= 1.0:
+        from tasks.engines.draw_kernel import fused_draw
+
+        token, lse = fused_draw(logits, None if u is None else u.float(), temperature=settings.temperature)
+        if token is None:
+            token = logits.argmax(dim=-1)
+        topk_logits, topk_ids = logits.topk(k, dim=-1)  # [b, K]
+        sampled = logits.gather(-1, token[:, None])[:, 0].float() - lse
+        topk_lp = topk_logits.float() - lse[:, None]
     else:
-        # x / 1.0 is x: the common temperature skips a pass over [b, V]
-        scaled = logits if settings.temperature == 1.0 else logits / settings.temperature
-        u = settings.uniforms[rows, step]  # [b]
-        token = draw(scaled, top_p=settings.top_p, u=u)
-    topk_lp, topk_ids = logprobs.topk(out.topk_ids.shape[-1], dim=-1)  # [b, K]
+        logprobs = torch.log_softmax(logits, dim=-1)  # [b, V]
+        if u is None:
+            token = logprobs.argmax(dim=-1)
+        else:
+            # x / 1.0 is x: the common temperature skips a pass over [b, V]
+            scaled = logits if settings.temperature == 1.0 else logits / settings.temperature
+            token = draw(scaled, top_p=settings.top_p, u=u)
+        topk_lp, topk_ids = logprobs.topk(k, dim=-1)  # [b, K]
+        sampled = logprobs.gather(-1, token[:, None])[:, 0]
     out.tokens[rows, step] = token
-    out.sampled[rows, step] = logprobs.gather(-1, token[:, None])[:, 0]
+    out.sampled[rows, step] = sampled
     out.topk_ids[rows, step] = topk_ids.to(torch.int32)
     out.topk_logprobs[rows, step] = topk_lp
     out.num_tokens[rows] += ~finished

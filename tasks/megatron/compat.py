@@ -298,6 +298,30 @@ def patch_sync_save_queue() -> None:
     _applied.add("sync_save_queue")
 
 
+# `dist_checkpointing.save(..., async_sharded_save=True)`'s writer, by megatron-core version.
+_ASYNC_SAVE_OPTIONS: dict[str, dict[str, str]] = {"0.16.1": {}, "0.19.2": {"async_strategy": "mcore"}}
+
+
+def async_save_options() -> dict[str, str]:
+    """The keyword arguments that make `dist_checkpointing.save(..., async_sharded_save=True)` return
+    Megatron's own asynchronous request (a preload function, a write function, finalisers) on
+    every device. Not a patch: the choice of writer, pinned to its version.
+
+    Why: 0.19.2 (`dist_checkpointing/serialization.py`, `save(..., async_strategy="nvrx")`) hands
+    an asynchronous save to NVIDIA Resiliency Extension by default and raises ModuleNotFoundError
+    without the `nvidia-resiliency-ext` package, which neither the CPU build nor the GPU image
+    holds; `async_strategy="mcore"` keeps Megatron's own request (deprecated there in favour of
+    NVRx, with one warning). 0.16.1 has only its own and no such argument.
+    """
+    version = _megatron_version()
+    if version not in _ASYNC_SAVE_OPTIONS:
+        raise RuntimeError(
+            f"megatron-core {version}: async_save_options in tasks/megatron/compat.py knows "
+            f"{sorted(_ASYNC_SAVE_OPTIONS)} only; add this version's"
+        )
+    return dict(_ASYNC_SAVE_OPTIONS[version])
+
+
 def _anonymous_storage_meta(self: Any) -> Any:
     """What `.metadata` records of the writer that saved it: nothing (no path, no save id)."""
     from torch.distributed.checkpoint.metadata import StorageMeta

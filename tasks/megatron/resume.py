@@ -4,6 +4,7 @@ previous iteration, otherwise rebuilt from the store (the last full state plus a
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from tasks.megatron.trainer import MegatronTrainer
 from tasks.runtime import Run
@@ -54,7 +55,58 @@ def restore_trainer(run: Run, iteration: int) -> MegatronTrainer:
         trainer.train_iteration(columns, iteration=m)
         check_replay(run, trainer, m)
     trainer.iteration = iteration
+    from storage.checkpoints import checkpoint_exists
+
+    if full_state_due(run, iteration) and not checkpoint_exists(run.layout, iteration, "megatron"):
+        # a background save that a killed process did not finish: saved again, from the same state
+        logger.info("saving the full state of iteration %d again: the save in flight was interrupted", iteration)
+        start_full_state_save(trainer, run.cfg.storage.cache_dir, iteration=iteration)
     return trainer
+
+
+def full_state_due(run: Run, iteration: int) -> bool:
+    """Whether `iteration` saves its full state before the run's last iteration: in the background,
+    uploaded by the next train stage (the last one saves it in its own stage)."""
+    return 0 < iteration < run.cfg.iterations and iteration % run.cfg.train.megatron_checkpoint_every == 0
+
+
+def start_full_state_save(trainer: MegatronTrainer, cache_dir: str, *, iteration: int) -> None:
+    """Start the background save of the trainer's full state after `iteration` into a scratch folder
+    of its own, kept until the save is uploaded (collective; `tasks.megatron.full_state`)."""
+    import contextlib
+
+    import torch.distributed as dist
+
+    from tasks.megatron.shared_scratch import mark_shared, shared_scratch
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    stack = contextlib.ExitStack()
+    scratch = stack.enter_context(shared_scratch(cache_dir, rank, prefix="fullstate"))
+    trainer.start_megatron_save(scratch / "megatron", iteration=iteration, release=stack.close)
+    mark_shared(scratch, rank, world)
+
+
+def upload_full_state(run: Run, saved: Any) -> Any:
+    """Upload a completed background save (`tasks.megatron.full_state.PendingFullState`) as the
+    megatron checkpoint of its iteration, whose policy and teacher shards are committed (rank 0);
+    its checkpoint manifest."""
+    import torch.distributed as dist
+
+    from storage.checkpoints import resolve_checkpoint, upload_checkpoint
+    from storage.manifest import read_stage_manifest
+    from tasks.megatron.shared_scratch import check_shared
+
+    if dist.get_world_size() > 1:
+        check_shared(saved.folder.parent, dist.get_world_size())
+    return upload_checkpoint(
+        saved.folder,
+        run.layout,
+        saved.iteration,
+        "megatron",
+        parent=resolve_checkpoint(run.layout, f"iter-{saved.iteration}", "policy"),
+        trained_on=[read_stage_manifest(run.layout, saved.iteration, "teacher")],
+        handed_over=run.cfg.storage.link_uploads,
+    )
 
 
 def check_replay(run: Run, trainer: MegatronTrainer, iteration: int) -> None:

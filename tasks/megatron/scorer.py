@@ -62,10 +62,19 @@ class MegatronTeacherScorer:
     """
 
     def __init__(self, model: Any, *, vocab_size: int, reference: Any | None = None) -> None:
+        from tasks.megatron.output_rows import OutputRows
+
         self.model = model.eval()
         self.reference = reference.eval() if reference is not None else None
         self.vocab_size = int(vocab_size)
         self.device = next(self.model.parameters()).device
+        # the output layer projects the scored positions alone (prompt positions are never scored)
+        self._rows = {id(m): OutputRows(m) for m in (self.model, self.reference) if m is not None}
+
+    def _logits(self, model: Any, tokens: Any, positions: Any, params: Any, rows: Any) -> Any:
+        """The model's logits at the packed row's positions `rows` alone: [N, V / tp]."""
+        with self._rows[id(model)].only(rows):
+            return model(tokens, positions, None, packed_seq_params=params)[0]
 
     @classmethod
     def from_hf(
@@ -108,6 +117,7 @@ class MegatronTeacherScorer:
 
         from sdpo_core.teacher_update import trust_region_logits
         from tasks.megatron.packing import pack_sequences, plan_packs
+        from tasks.megatron.scoring_kernel import fused_token_scores
         from tasks.megatron.vocab_parallel import vocab_parallel_token_entropy, vocab_parallel_token_logprobs
 
         if (self.reference is None) != (trust_region_rate is None):
@@ -127,10 +137,11 @@ class MegatronTeacherScorer:
             tokens = packed.tokens.to(self.device)
             positions = packed.position_ids.to(self.device)
             params = packed.packed_seq_params()
-            logits = self.model(tokens, positions, None, packed_seq_params=params)[0]  # [L, V/tp]
+            response_rows = packed.response_rows.to(self.device)  # [N]
+            logits = self._logits(self.model, tokens, positions, params, response_rows)  # [N, V/tp]
             ref_logits = None
             if self.reference is not None:
-                ref_logits = self.reference(tokens, positions, None, packed_seq_params=params)[0]
+                ref_logits = self._logits(self.reference, tokens, positions, params, response_rows)
             per_sample = [
                 np.concatenate(
                     [np.asarray(topk_ids[i], dtype=np.int64), np.asarray(sequences[i][1], dtype=np.int64)[:, None]],
@@ -139,8 +150,13 @@ class MegatronTeacherScorer:
                 for i in pack
             ]
             ids = torch.from_numpy(np.concatenate(per_sample)).to(self.device)  # [N, K+1]
-            rows = packed.response_rows.to(self.device)  # [N]
+            rows = torch.arange(logits.shape[0], device=self.device)  # the logits' rows, in order
             parts, entropy_parts = [], []
+            if ref_logits is None and logits.is_cuda and parallel_state.get_tensor_model_parallel_world_size() == 1:
+                # one pass over each row's logits (tasks/megatron/scoring_kernel.py)
+                scored_rows, entropy_rows = fused_token_scores(logits, rows, ids, vocab_size=self.vocab_size)
+                parts, entropy_parts = [scored_rows], [entropy_rows]
+                rows = rows[:0]  # nothing left for the chunked path below
             for c0 in range(0, rows.shape[0], logit_chunk_tokens):
                 r = rows[c0 : c0 + logit_chunk_tokens]
                 chunk = logits.index_select(0, r)  # [C, V/tp]

@@ -10,7 +10,6 @@ training state (weights, Adam's moments and step, the LR schedule) for resuming.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import random
 from collections.abc import Iterator
@@ -61,6 +60,7 @@ class MegatronTrainer:
         self.vocab_size = int(self.hf_config.vocab_size)
         self._wrap(model)
         self.iteration = 0  # the iteration whose output these weights are
+        self.pending_full_state: Any = None  # a full-state save still being written (tasks/megatron/full_state.py)
 
     def _wrap(self, model: Any) -> None:
         import torch
@@ -277,24 +277,37 @@ class MegatronTrainer:
 
     def save_megatron(self, out_dir: Path, *, iteration: int) -> None:
         """The full training state after `iteration`: weights (fp32 master copies included), Adam's
-        moments and step, the LR schedule. RNG state is not saved: every iteration seeds it from
-        (seed, iteration, data-parallel rank), see `seed_training_rng`."""
-        import torch
-        from megatron.core import dist_checkpointing
+        moments and step, the LR schedule (`tasks.megatron.full_state`), written before returning."""
+        from tasks.megatron import full_state
 
-        from storage.faults import crash_point
-        from tasks.megatron.compat import patch_deterministic_checkpoint_metadata, patch_sync_save_queue
+        full_state.save_now(self.model.module, self.optimizer, self.scheduler, out_dir, iteration=iteration)
 
-        patch_sync_save_queue()
-        patch_deterministic_checkpoint_metadata()
-        out_dir.mkdir(parents=True, exist_ok=True)
-        state = self.model.module.sharded_state_dict(prefix="model.")
-        state["optimizer"] = self.optimizer.sharded_state_dict(state)
-        dist_checkpointing.save(state, str(out_dir))
-        crash_point("checkpoint.saving:megatron", iteration)
-        if torch.distributed.get_rank() == 0:  # the same on every rank
-            torch.save({"scheduler": self.scheduler.state_dict(), "iteration": iteration}, out_dir / "trainer_state.pt")
-            (out_dir / "cursor.json").write_text(json.dumps({"iteration": iteration}))
+    def start_megatron_save(self, out_dir: Path, *, iteration: int, release: Any = None) -> None:
+        """The same state staged in host memory and written into `out_dir` by a thread: the model may
+        step on; `finish_megatron_save` (collective) completes it. `release` frees `out_dir` once the
+        caller has uploaded it."""
+        from tasks.megatron import full_state
+
+        if self.pending_full_state is not None:
+            raise RuntimeError(
+                f"the full state of iteration {self.pending_full_state.iteration} is still being saved; "
+                "finish it before saving another"
+            )
+        self.pending_full_state = full_state.start(
+            self.model.module, self.optimizer, self.scheduler, out_dir, iteration=iteration
+        )
+        if release is not None:
+            self.pending_full_state.release = release
+
+    def finish_megatron_save(self) -> Any:
+        """The background save in flight, completed (collective; None when there is none): its
+        `tasks.megatron.full_state.PendingFullState`, whose folder holds the whole checkpoint."""
+        from tasks.megatron import full_state
+
+        pending, self.pending_full_state = self.pending_full_state, None
+        if pending is not None:
+            full_state.finish(pending)
+        return pending
 
     def load_megatron(self, ckpt_dir: Path) -> None:
         """Restore what `save_megatron` wrote. The optimizer's template is built for loading

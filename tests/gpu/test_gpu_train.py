@@ -126,6 +126,8 @@ def score(tiny_hf_dir, inputs: Path, out: Path, *, nproc: int) -> list:
 
 
 def assert_scores_close(got, want, *, atol: float) -> None:
+    """Each of got and want: per sequence (top-K log-probs, sampled log-prob, teacher entropy)."""
+    assert all(len(g) == 3 for g in got) and all(len(w) == 3 for w in want), "pass (top-K, sampled, entropy) triples"
     diffs = [np.abs(g[0] - w[0]).max() for g, w in zip(got, want, strict=True)]
     diffs += [np.abs(g[1] - w[1]).max() for g, w in zip(got, want, strict=True)]
     diffs += [np.abs(g[2] - w[2]).max() for g, w in zip(got, want, strict=True)]  # the teacher entropies
@@ -157,4 +159,4 @@ def test_fused_kernel_scorer_equals_the_plain_scorer(tiny_hf_dir, scoring_inputs
     _, sequences, topk = scoring_inputs
     scorer = MegatronTeacherScorer.from_hf(tiny_hf_dir, fused_kernels=True)
     got = scorer.score(sequences=sequences, topk_ids=topk, batch_tokens=4096)
-    assert_scores_close([(s.topk_logprobs, s.sampled_logprobs) for s in got], one_gpu_scores, atol=0.05)
+    assert_scores_close([(s.topk_logprobs, s.sampled_logprobs, s.entropy) for s in got], one_gpu_scores, atol=0.05)

@@ -38,11 +38,16 @@ CHAINS: dict[str, list[str]] = {
     "commit-eval-tracking": [
         f"{p}@2" for p in CRASH_POINTS if p.startswith(("commit.", "tracking.")) or p.endswith(":eval")
     ],
+    # the next iteration's stages, sampled and scored from weights handed over in memory, killed
+    # while the commit of the iteration before is still in flight (flows/overlap.py)
+    "overlap": ["rollout.awaiting_parent_commit@2", "teacher.awaiting_parent_commit@3"],
     "base-and-last": [
         "checkpoint.uploading:policy@0",
         "checkpoint.committed:policy@0",
         "stage.committed:eval@0",
         "tracking.logged@0",
+        "checkpoint.saving:megatron@3",  # the last iteration saves its full state in its own stage
+        "checkpoint.uploading:megatron@3",
         "commit.manifest_written@3",  # the last iteration: LATEST must still reach it
         "stage.files_written:eval@3",
         "tracking.logged@3",
@@ -182,9 +187,9 @@ def test_killed_runs_on_s3_resume_bit_identical(tmp_path, prefect_server, refere
     # one point in each stage's write path: shards, a multi-file checkpoint, a committed checkpoint, the commit
     chain = [
         "stage.files_written:teacher@2",
-        "checkpoint.uploading:megatron@2",
         "checkpoint.committed:policy@2",
         "commit.manifest_written@2",
+        "checkpoint.uploading:megatron@2",  # saved in the background: uploaded by iteration 3's train stage
     ]
     crash_and_resume(config, env, chain)
     resumed = fingerprint(RunLayout(root, NAME, storage_options=options))
