@@ -65,22 +65,59 @@ def ppo_clip_loss(
     *,
     clip_low: float,
     clip_high: float,
+    ratio_cap: float | None = None,
 ) -> Tensor:
     """Per-token PPO-clip loss -min(r A, clip(r, 1 - clip_low, 1 + clip_high) A): [B, T] -> [B, T].
 
     r = exp(logprobs - old_logprobs) with the log-ratio clamped to [-20, 20]; `advantages` [B] is
     broadcast over the sequence. Positions outside `response_mask` are 0. A larger `clip_high` than
     `clip_low` ("clip-higher") lets low-probability tokens with positive advantage grow faster.
+    With `ratio_cap` c (the dual clip), a token with A < 0 costs at most c |A|: past r = c its loss
+    is flat, so a stale sample whose ratio has run away pushes no further.
     """
     _check_token_shapes(logprobs, old_logprobs, advantages, response_mask)
     if clip_low < 0 or clip_high < 0:
         raise ValueError(f"clip ranges must be >= 0, got clip_low={clip_low}, clip_high={clip_high}")
+    if ratio_cap is not None and ratio_cap <= 1.0 + clip_high:
+        raise ValueError(f"ratio_cap={ratio_cap} must exceed 1 + clip_high = {1.0 + clip_high}")
     ratio = _ratio(logprobs, old_logprobs)  # [B, T]
     adv = advantages.detach()[:, None].to(ratio.dtype)  # [B, 1]
     unclipped = -ratio * adv
     clipped = -ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * adv
     loss = torch.maximum(unclipped, clipped)
+    if ratio_cap is not None:
+        loss = torch.where(adv < 0, torch.minimum(loss, -ratio_cap * adv), loss)
     return torch.where(response_mask, loss, torch.zeros_like(loss))
+
+
+def ratio_capped_mask(
+    logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, response_mask: Tensor, *, ratio_cap: float
+) -> Tensor:
+    """Response tokens the dual clip flattens (A < 0 and r > ratio_cap): [B, T] bool."""
+    _check_token_shapes(logprobs, old_logprobs, advantages, response_mask)
+    with torch.no_grad():
+        ratio = _ratio(logprobs, old_logprobs)
+        return (advantages[:, None] < 0) & (ratio > ratio_cap) & response_mask
+
+
+def clip_advantages(advantages: Tensor, *, running_abs_mean: float, multiple: float) -> Tensor:
+    """Advantages clipped to +- `multiple` times the running mean of |A|: [N] -> [N].
+
+    A group whose rewards sit far from its mean (one success among many failures, scored by a stale
+    policy) otherwise weighs several times an ordinary group; the cap keeps any one sample within
+    `multiple` typical advantages. A running mean of 0 (no signal yet) leaves them unclipped.
+    """
+    if multiple <= 0:
+        raise ValueError(f"the advantage clip multiple must be > 0, got {multiple}")
+    if running_abs_mean <= 0:
+        return advantages
+    limit = multiple * running_abs_mean
+    return advantages.clamp(-limit, limit)
+
+
+def running_abs_mean(advantages: Tensor, *, previous_sum: float, previous_count: float) -> tuple[float, float]:
+    """(sum of |A|, count) over the run so far, this iteration's advantages [N] added."""
+    return previous_sum + float(advantages.abs().sum()), previous_count + float(advantages.numel())
 
 
 def ppo_clipped_mask(

@@ -23,7 +23,7 @@ from sdpo_core.divergence import (
     sampled_token_loss,
     topk_divergence,
 )
-from sdpo_core.grpo import LOG_RATIO_CLAMP, ppo_clip_loss, ppo_clipped_mask
+from sdpo_core.grpo import LOG_RATIO_CLAMP, ppo_clip_loss, ppo_clipped_mask, ratio_capped_mask
 from sdpo_core.reductions import Aggregation, Reduction, check_modes, masked_mean, masked_token_mean
 from sdpo_core.weights import entropy_weights, normalised, question_weights
 
@@ -241,14 +241,14 @@ def _sdpo_tokens(
 
 
 def _grpo_tokens(
-    inputs: LossInputs, samples: Tensor, *, clip_low: float, clip_high: float
+    inputs: LossInputs, samples: Tensor, *, clip_low: float, clip_high: float, ratio_cap: float | None
 ) -> tuple[Tensor, dict[str, float], dict[str, float]]:
     """The PPO-clip term per token, [B, T] (0 off the tokens of `samples` [B]), and its metrics
     over those tokens and samples."""
     (advantages,) = _require({"advantages": inputs.advantages}, why="the GRPO term")
     active = inputs.response_mask & samples[:, None]  # [B, T]
     ppo_args = (inputs.student_token_logprobs, inputs.old_token_logprobs, advantages, active)
-    per_token = ppo_clip_loss(*ppo_args, clip_low=clip_low, clip_high=clip_high)  # [B, T]
+    per_token = ppo_clip_loss(*ppo_args, clip_low=clip_low, clip_high=clip_high, ratio_cap=ratio_cap)  # [B, T]
     clipped = ppo_clipped_mask(*ppo_args, clip_low=clip_low, clip_high=clip_high)  # [B, T]
     log_ratio = (inputs.student_token_logprobs - inputs.old_token_logprobs).detach()
     ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()  # [B, T]
@@ -261,6 +261,10 @@ def _grpo_tokens(
     }
     tokens = float(active.sum())
     counts = {"grpo/clip_fraction": tokens, "grpo/ratio_mean": tokens}
+    if ratio_cap is not None:
+        capped = ratio_capped_mask(*ppo_args, ratio_cap=ratio_cap)
+        metrics["grpo/ratio_cap_fraction"] = masked_token_mean(capped.float(), active)
+        counts["grpo/ratio_cap_fraction"] = tokens
     counts["grpo/advantage_mean"] = counts["grpo/advantage_abs_mean"] = float(chosen.numel())
     return per_token, metrics, counts
 
@@ -279,6 +283,7 @@ def policy_loss(
     clip_high: float,
     srpo_beta: float,
     pass_rate_weight: bool,
+    ratio_cap: float | None = None,
 ) -> LossOutputs:
     """The training loss for one (micro-)batch.
 
@@ -302,7 +307,8 @@ def policy_loss(
     sample's question weight sqrt(p (1 - p)), normalised to mean 1 over the samples the SDPO term
     trains (`sdpo_core.weights`). `reduction` and `aggregation` are as in
     `sdpo_core.reductions.masked_mean`; `clip_low`/`clip_high` are read only by the GRPO term,
-    `divergence`/`alpha`/`is_clip` only by the SDPO term. Only the terms the loss type needs are
+    `divergence`/`alpha`/`is_clip` only by the SDPO term. `ratio_cap` (the dual clip,
+    `sdpo_core.grpo.ppo_clip_loss`) bounds the GRPO term's tokens with negative advantage. Only the terms the loss type needs are
     computed, so the other term's inputs may be None.
     """
     if loss_type not in _LOSS_TYPES:
@@ -316,7 +322,7 @@ def policy_loss(
     sdpo_tokens = partial(
         _sdpo_tokens, inputs, divergence=divergence, alpha=alpha, is_clip=is_clip, pass_rate_weight=pass_rate_weight
     )
-    grpo_tokens = partial(_grpo_tokens, inputs, clip_low=clip_low, clip_high=clip_high)
+    grpo_tokens = partial(_grpo_tokens, inputs, clip_low=clip_low, clip_high=clip_high, ratio_cap=ratio_cap)
     everyone = torch.ones_like(inputs.sample_mask)
 
     metrics: dict[str, float] = {}

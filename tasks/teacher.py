@@ -92,6 +92,30 @@ def build_contexts(run: Run, columns: dict[str, Any]) -> tuple[list[Any], dict[s
     return contexts, metrics
 
 
+def clipped_advantages(run: Run, iteration: int, advantages: Any, metrics: dict[str, float]) -> Any:
+    """`advantages` [N] clipped to +- loss.advantage_clip times the mean |A| over the run's
+    iterations so far, this one included; the running sums come from the previous iteration's
+    teacher manifest (the store holds them, not the process), and go on in `metrics`."""
+    from sdpo_core.grpo import clip_advantages, running_abs_mean
+    from storage.manifest import read_stage_manifest
+
+    previous = read_stage_manifest(run.layout, iteration - 1, "teacher").data["metrics"] if iteration > 1 else {}
+    total, count = running_abs_mean(
+        advantages,
+        previous_sum=float(previous.get("grpo/advantage_abs_sum", 0.0)),
+        previous_count=float(previous.get("grpo/advantage_count", 0.0)),
+    )
+    mean = total / count if count else 0.0
+    clipped = clip_advantages(advantages, running_abs_mean=mean, multiple=float(run.cfg.loss.advantage_clip or 0.0))
+    metrics["grpo/advantage_abs_sum"] = total
+    metrics["grpo/advantage_count"] = count
+    metrics["grpo/advantage_running_mean"] = mean
+    metrics["grpo/advantage_clip_fraction"] = (
+        float((clipped != advantages).float().mean()) if advantages.numel() else 0.0
+    )
+    return clipped
+
+
 def run_teacher(root: str, run_name: str, iteration: int) -> dict | None:
     """Teacher stage of `iteration`: returns its manifest (a committed one is checked, then reused).
 
@@ -136,6 +160,8 @@ def run_teacher(root: str, run_name: str, iteration: int) -> dict | None:
 
     source_n, source_kind = teacher_checkpoint(run, iteration)
     metrics: dict[str, float] = {"teacher/source_iteration": float(source_n)}
+    if cfg.loss.advantage_clip is not None:
+        advantages = clipped_advantages(run, iteration, advantages, metrics)
     # handed over in memory while its iteration commits (tasks/handover.py), else the stored one
     teacher = open_checkpoint(run, source_n, source_kind)
     # the trust region's reference, the base policy, read only when there is one

@@ -93,8 +93,10 @@ class ModelConfig(Section):
 class DataConfig(Section):
     """Where prompts come from and how many each iteration takes."""
 
-    source: Literal["arithmetic", "prepared"] = Field(
-        "arithmetic", description="arithmetic: the generated a+b task; prepared: a file written by `sdpo prepare-data`"
+    source: Literal["arithmetic", "easy_code", "prepared"] = Field(
+        "arithmetic",
+        description="arithmetic: the generated a+b task; easy_code: generated one-function Python tasks with "
+        "functional tests (verifier.name=code); prepared: a file written by `sdpo prepare-data`",
     )
     path: str | None = Field(None, description="prepared data set URL (source=prepared)")
     eval_path: str | None = Field(
@@ -364,6 +366,18 @@ class LossConfig(Section):
     )
     clip_low: float = Field(0.2, ge=0, description="GRPO: the ratio is clipped below at 1 - clip_low")
     clip_high: float = Field(0.28, ge=0, description="GRPO: the ratio is clipped above at 1 + clip_high")
+    ratio_cap: float | None = Field(
+        None,
+        gt=1,
+        description="GRPO and blend: the dual clip, a token with negative advantage costs at most ratio_cap x |A| "
+        "(a stale sample whose ratio ran away pushes no further); null = off",
+    )
+    advantage_clip: float | None = Field(
+        None,
+        gt=0,
+        description="GRPO, blend and SRPO: each advantage clipped to +- this multiple of the mean |advantage| over the "
+        "run's iterations so far (a stabiliser for stale samples, e.g. 3); null = off",
+    )
 
     @model_validator(mode="after")
     def _sampled_token_alpha(self) -> LossConfig:
@@ -377,6 +391,11 @@ class LossConfig(Section):
                 f"type='blend' with blend_lambda={self.blend_lambda} is a pure loss; "
                 "use type=sdpo (lambda 0) or type=grpo (lambda 1), or pick 0 < blend_lambda < 1 "
                 "(0.9 is the paper's setting for weak models)"
+            )
+        if self.ratio_cap is not None and self.ratio_cap <= 1.0 + self.clip_high:
+            raise ValueError(
+                f"loss.ratio_cap={self.ratio_cap} must exceed 1 + loss.clip_high = {1.0 + self.clip_high}: "
+                "the dual clip bounds ratios above the PPO clip; raise ratio_cap (e.g. 3) or set it to null"
             )
         if self.type == "grpo" and self.pass_rate_weight:
             raise ValueError(

@@ -63,6 +63,11 @@ class RunConfig(Section):
                 f"teacher.feedback={self.teacher.feedback!r}: SDPO takes demonstrations from peers in the "
                 "group; set rollout.group_size >= 2 (the paper uses 8)"
             )
+        if self.data.source == "easy_code" and self.verifier.name != "code":
+            raise ValueError(
+                f"data.source='easy_code' is judged by running the answers' functions against their tests; "
+                f"verifier.name={self.verifier.name!r} cannot read those labels: set verifier.name=code"
+            )
         if self.rollout.engine == "sglang" and self.loss.divergence == "full":
             raise ValueError(
                 "loss.divergence='full' records the whole vocabulary per token, which SGLang would send "

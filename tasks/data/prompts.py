@@ -63,6 +63,10 @@ def _read_splits(data: DataConfig, *, seed: int) -> tuple[list[Row], list[Row]]:
             template=data.prompt_template,
             seed=seed,
         )
+    if data.source == "easy_code":
+        from tasks.data.easy_code import make_splits as make_code_splits
+
+        return make_code_splits(seed=seed, eval_fraction=data.eval_fraction)
     from tasks.data.schema import check_disjoint, read_checked
 
     assert data.path is not None  # DataConfig requires it for source=prepared

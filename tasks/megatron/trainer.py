@@ -152,6 +152,7 @@ class MegatronTrainer:
             clip_high=cfg.loss.clip_high,
             srpo_beta=cfg.loss.srpo.beta,
             pass_rate_weight=cfg.loss.pass_rate_weight,
+            ratio_cap=cfg.loss.ratio_cap,
         )
         metrics = {name: torch.tensor(float(value)) for name, value in out.metrics.items()}
         metrics.update({_COUNT + name: torch.tensor(float(n)) for name, n in out.metric_counts.items()})

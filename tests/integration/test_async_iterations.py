@@ -89,3 +89,50 @@ def test_killed_inside_the_overlap_resumes_bit_identical(tmp_path, prefect_serve
     assert differences(expected, resumed) == []
     assert resumed["final_policy"] == expected["final_policy"]
     assert leftovers(tmp_path / "runs", tmp_path / "cache") == []
+
+
+# Two iterations of staleness with the off-policy stabilisers on: the blend's GRPO term with the
+# dual clip and advantages clipped at 3x their running mean (whose sums the store carries).
+STALE_2 = {
+    **CONFIG,
+    "iterations": 4,
+    "pipeline": {"max_staleness": 2},
+    "loss": {"type": "blend", "blend_lambda": 0.9, "ratio_cap": 3.0, "advantage_clip": 3.0},
+}
+STALE_2_CHAIN = ["stage.files_written:rollout@4", "stage.committed:teacher@4", "commit.latest_moved@4"]
+
+
+def test_two_iterations_of_staleness_resume_bit_identical_and_log_what_staleness_does(tmp_path, prefect_server):
+    """Iteration n samples from checkpoint n-3; killed in iteration 4's prefetched rollout (while
+    iteration 2 trains), at its teacher commit and after its LATEST, the run ends bit-identical to an
+    uninterrupted one, and MLflow holds per iteration the staleness, the importance weights and
+    how much of them, the ratios and the advantages were clipped."""
+    from mlflow.tracking import MlflowClient
+
+    from storage.layout import RunLayout
+    from storage.manifest import read_stage_manifest
+
+    reference = write_config(tmp_path / "reference", NAME, base=STALE_2)
+    done = sdpo(["run", str(reference)], run_env(prefect_server))
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    expected = fingerprint(RunLayout(str(tmp_path / "reference" / "runs"), NAME))
+    config = write_config(tmp_path / "killed", NAME, base=STALE_2)
+    crash_and_resume(config, run_env(prefect_server), STALE_2_CHAIN)
+    layout = RunLayout(str(tmp_path / "killed" / "runs"), NAME)
+    assert differences(expected, fingerprint(layout)) == []
+    assert read_stage_manifest(layout, 4, "rollout").data["metrics"]["rollout/behaviour_iteration"] == 1
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'killed' / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("sdpo").experiment_id])
+    for key in (
+        "rollout/staleness",
+        "sdpo/is_weight_mean",
+        "sdpo/is_clip_fraction",
+        "grpo/ratio_cap_fraction",
+        "grpo/advantage_running_mean",
+        "grpo/advantage_clip_fraction",
+    ):
+        steps = sorted(m.step for m in client.get_metric_history(run.info.run_id, key))
+        assert steps == [1, 2, 3, 4], (key, steps)
+    staleness = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "rollout/staleness")}
+    assert staleness == {1: 0.0, 2: 1.0, 3: 2.0, 4: 2.0}

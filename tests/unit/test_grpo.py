@@ -3,7 +3,14 @@ import math
 import pytest
 import torch
 
-from sdpo_core.grpo import group_advantages, ppo_clip_loss, ppo_clipped_mask
+from sdpo_core.grpo import (
+    clip_advantages,
+    group_advantages,
+    ppo_clip_loss,
+    ppo_clipped_mask,
+    ratio_capped_mask,
+    running_abs_mean,
+)
 from sdpo_core.losses import LossInputs, policy_loss
 
 
@@ -116,3 +123,40 @@ def test_ppo_clip_loss_high_clip_is_separate(ppo_example):
     loss = ppo_clip_loss(**ppo_example, clip_low=0.2, clip_high=0.6)
     assert loss[0, 0].item() == pytest.approx(-1.5)
     assert loss[1, 1].item() == pytest.approx(0.8)
+
+
+def test_the_dual_clip_bounds_negative_advantages_and_flattens_their_gradient():
+    # A = -2 at ratios 5, 1.4, 0.5 (the last PPO-clipped below); A = +1 at ratio 5 (never capped)
+    ratios = torch.tensor([[5.0, 1.4, 0.5], [5.0, 1.0, 1.0]])
+    old = torch.full((2, 3), -1.0)
+    logprobs = (old + ratios.log()).requires_grad_(True)
+    example = {
+        "logprobs": logprobs,
+        "old_logprobs": old,
+        "advantages": torch.tensor([-2.0, 1.0]),
+        "response_mask": torch.ones(2, 3, dtype=torch.bool),
+    }
+    loss = ppo_clip_loss(**example, clip_low=0.2, clip_high=0.28, ratio_cap=3.0)
+    # A<0: r=5 costs min(5 * 2, 3 * 2) = 6; r=1.4: max(2.8, 2.56) = 2.8 < 6; r=0.5: max(1.0, 1.6) = 1.6.
+    # A>0: min(5, 1.28) -> -1.28, then r=1 -> -1.
+    torch.testing.assert_close(loss, torch.tensor([[6.0, 2.8, 1.6], [-1.28, -1.0, -1.0]]))
+    loss.sum().backward()
+    # the capped token gives no gradient; the others -r A where unclipped
+    torch.testing.assert_close(logprobs.grad, torch.tensor([[0.0, 2.8, 0.0], [0.0, -1.0, -1.0]]))
+    capped = ratio_capped_mask(**{k: v.detach() if k == "logprobs" else v for k, v in example.items()}, ratio_cap=3.0)
+    assert capped.tolist() == [[True, False, False], [False, False, False]]
+    with pytest.raises(ValueError, match="must exceed 1 \\+ clip_high"):
+        ppo_clip_loss(**example, clip_low=0.2, clip_high=0.28, ratio_cap=1.1)
+
+
+def test_advantages_clip_at_a_multiple_of_their_running_mean():
+    # running |A|: 10 earlier samples summing to 4, then these four (sum 4.5): mean 8.5 / 14
+    advantages = torch.tensor([3.0, -1.0, 0.25, -0.25])
+    total, count = running_abs_mean(advantages, previous_sum=4.0, previous_count=10.0)
+    assert (total, count) == (8.5, 14.0)
+    limit = 2.0 * 8.5 / 14.0
+    clipped = clip_advantages(advantages, running_abs_mean=total / count, multiple=2.0)
+    torch.testing.assert_close(clipped, torch.tensor([limit, -1.0, 0.25, -0.25]))
+    assert torch.equal(clip_advantages(advantages, running_abs_mean=0.0, multiple=3.0), advantages)
+    with pytest.raises(ValueError, match="must be > 0"):
+        clip_advantages(advantages, running_abs_mean=1.0, multiple=0.0)
