@@ -178,9 +178,7 @@ class VerifierConfig(Section):
         try:
             _kwargs_model(name).model_validate(kwargs)
         except ValidationError as err:
-            raise ValueError(
-                "; ".join(f"{'.'.join(map(str, e['loc']))}={e['input']!r}: {e['msg']}" for e in err.errors())
-            ) from None
+            raise ValueError(_field_errors(err)) from None
         if name == "code":
             from tasks.sandbox.program import SandboxLimits
 
@@ -191,10 +189,20 @@ class VerifierConfig(Section):
         return kwargs
 
 
+def _strict_model(name: str, fields: dict[str, Any]) -> type[BaseModel]:
+    """Keyword arguments as a strict model of their annotated types: no coercion (`nproc: 2.5`,
+    `partial_credit: maybe` and `memory_mb: '512'` are refused), floats finite, no other names."""
+    strict = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False, arbitrary_types_allowed=True)
+    return create_model(name, __config__=strict, **fields)
+
+
+def _field_errors(err: ValidationError) -> str:
+    return "; ".join(f"{'.'.join(map(str, e['loc']))}={e['input']!r}: {e['msg']}" for e in err.errors())
+
+
 @cache
 def _kwargs_model(name: str) -> type[BaseModel]:
-    """The verifier's keyword arguments as a strict model of their annotated types: no coercion
-    (`nproc: 2.5`, `partial_credit: maybe` and `memory_mb: '512'` are refused), floats finite."""
+    """The verifier's keyword arguments as a strict model of their annotated types."""
     from sdpo_core.verifiers import VERIFIERS
 
     if name == "code":
@@ -204,8 +212,7 @@ def _kwargs_model(name: str) -> type[BaseModel]:
     else:
         types = get_type_hints(VERIFIERS[name])
     fields: dict[str, Any] = {k: (types[k], p.default) for k, p in verifier_parameters(name).items()}
-    strict = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
-    return create_model(f"{name}_verifier_kwargs", __config__=strict, **fields)
+    return _strict_model(f"{name}_verifier_kwargs", fields)
 
 
 class SGLangConfig(Section):
@@ -302,6 +309,46 @@ class TeacherConfig(Section):
         description="teacher scorer: the HF model in process, or a Megatron forward-only model "
         "(packed, SDPA attention, tensor parallel as train.tensor_parallel)",
     )
+
+    @field_validator("feedback")
+    @classmethod
+    def _a_feedback_class(cls, spec: str) -> str:
+        from sdpo_core.feedback import feedback_class
+
+        try:
+            feedback_class(spec)
+        except (ValueError, TypeError, ImportError) as err:
+            raise ValueError(str(err)) from None
+        return spec
+
+    @field_validator("feedback_kwargs")
+    @classmethod
+    def _kwargs_fit_the_feedback(cls, kwargs: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        """Only the names the feedback class takes, of their annotated types, and values its own
+        checks accept (templates, thresholds): found when the config loads, not by the teacher stage."""
+        from sdpo_core.feedback import feedback_class, feedback_parameters
+
+        spec = info.data.get("feedback")
+        if spec is None:  # the class itself is invalid: reported on its own
+            return kwargs
+        policy = feedback_class(spec)
+        params = feedback_parameters(policy)
+        unknown = sorted(set(kwargs) - set(params))
+        if unknown:
+            raise ValueError(
+                f"{unknown} are not parameters of the feedback class {spec!r}; it takes {sorted(params)} "
+                "(a credential is never one: the teacher's context needs none)"
+            )
+        types = get_type_hints(policy)
+        fields: dict[str, Any] = {k: (types.get(k, Any), p.default) for k, p in params.items()}
+        try:
+            _strict_model(f"{policy.__name__}_kwargs", fields).model_validate(kwargs)
+            policy(**kwargs)
+        except ValidationError as err:
+            raise ValueError(_field_errors(err)) from None
+        except (TypeError, ValueError) as err:
+            raise ValueError(str(err)) from None
+        return kwargs
 
     @field_validator("update_rate")
     @classmethod

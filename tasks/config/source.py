@@ -12,7 +12,17 @@ from urllib.parse import parse_qsl, urlsplit
 
 import yaml
 
-__all__ = ["CREDENTIALS_GO", "ConfigError", "read_yaml", "refuse_credentials", "verifier_parameters", "where"]
+__all__ = [
+    "CREDENTIALS_GO",
+    "MAX_DEPTH",
+    "ConfigError",
+    "check_depth",
+    "parse_value",
+    "read_yaml",
+    "refuse_credentials",
+    "verifier_parameters",
+    "where",
+]
 
 # What every error about a credential in a config says to do instead.
 CREDENTIALS_GO = (
@@ -26,9 +36,21 @@ class ConfigError(ValueError):
     """A run config that cannot be used; the message names each bad field and the fix."""
 
 
+# The deepest a config nests (its sections take 4 levels; free-form values a few more). Deeper input
+# is refused before anything recursive (YAML's composer, JSON, pydantic) walks it.
+MAX_DEPTH = 32
+
+
 def where(lines_of: dict[str, str], dotted: str) -> str:
     """file:line of `dotted` (or of the closest enclosing key) when it came from the YAML file or an
-    override; a key inside a list (`a.b[0].c`) falls back to the list's own key."""
+    override; a key inside a list (`a.b[0].c`) falls back to the list's own key. A mapping that
+    overrides added keys to names them too: its value is the file's merged with theirs."""
+    overridden = sorted(
+        {place for key, place in lines_of.items() if key.startswith(dotted + ".") and place.startswith("override")}
+    )
+    if overridden:
+        own = lines_of.get(dotted)
+        return ", ".join(([own] if own is not None and own not in overridden else []) + overridden)
     keys = dotted.split(".")
     for n in range(len(keys), 0, -1):
         prefix = ".".join(keys[:n])
@@ -106,6 +128,61 @@ def refuse_credentials(tree: Any, *, places: dict[str, str], key: str = "") -> N
             refuse_credentials(v, places=places, key=f"{key}[{i}]")
 
 
+def _flow_depth(text: str) -> int:
+    """How deep `[`/`{` nest in YAML text, brackets inside quotes aside (one linear pass)."""
+    depth = deepest = 0
+    quote = ""
+    for ch in text:
+        if quote:
+            quote = "" if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in "]}":
+            depth = max(depth - 1, 0)
+    return deepest
+
+
+def _too_deep(source: str, at: str = "") -> ConfigError:
+    where_ = f" (at {at[:80]}{'...' if len(at) > 80 else ''})" if at else ""
+    return ConfigError(
+        f"{source}: nested deeper than {MAX_DEPTH} levels{where_}; a run config nests at most {MAX_DEPTH}"
+    )
+
+
+def check_depth(tree: Any, *, source: str, base: int = 0) -> None:
+    """ConfigError naming `source` (and the key where it happens) for a tree nested deeper than
+    MAX_DEPTH levels (`base`: the levels above it). Iterative: any depth is measured safely."""
+    stack: list[tuple[Any, int, str]] = [(tree, base, "")]
+    while stack:
+        node, depth, key = stack.pop()
+        if depth > MAX_DEPTH:
+            raise _too_deep(source, key)
+        if isinstance(node, dict):
+            stack += [(v, depth + 1, f"{key}.{k}" if key else str(k)) for k, v in node.items()]
+        elif isinstance(node, list):
+            stack += [(v, depth + 1, f"{key}[{i}]") for i, v in enumerate(node)]
+
+
+def parse_value(raw: str, *, source: str, depth: int = 0) -> Any:
+    """An override's value (YAML), refused with a ConfigError naming `source` when it is not YAML or
+    nests past MAX_DEPTH levels (with the `depth` of its key): before YAML's recursive parser
+    sees it, so no input makes it exceed Python's stack."""
+    if depth + _flow_depth(raw) > MAX_DEPTH:
+        raise _too_deep(source)
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError as err:
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise ConfigError(f"{source}: the value is not valid YAML ({problem})") from None
+    except RecursionError:  # block nesting by indentation, which _flow_depth does not see
+        raise _too_deep(source) from None
+    check_depth(value, source=source, base=depth)
+    return value
+
+
 def _key_lines(node: yaml.Node, path: str, prefix: str, out: dict[str, str]) -> None:
     """Record the line of every key under `node`; ConfigError for a key given twice in one mapping
     (YAML would keep the last one without a word)."""
@@ -138,6 +215,8 @@ def read_yaml(path: Path) -> tuple[dict[str, Any], dict[str, str]]:
         ) from None
     except OSError as err:
         raise ConfigError(f"{path}: cannot be read ({err.strerror})") from None
+    if _flow_depth(text) > MAX_DEPTH:
+        raise _too_deep(str(path))
     try:
         loaded = yaml.safe_load(text)
         node = yaml.compose(text)
@@ -146,6 +225,9 @@ def read_yaml(path: Path) -> tuple[dict[str, Any], dict[str, str]]:
         line = f":{mark.line + 1}" if mark is not None else ""
         problem = getattr(err, "problem", None) or str(err)
         raise ConfigError(f"{path}{line}: not valid YAML ({problem})") from None
+    except RecursionError:  # block nesting by indentation
+        raise _too_deep(str(path)) from None
+    check_depth(loaded, source=str(path))
     if loaded is None:
         return {}, {}
     if not isinstance(loaded, dict):
