@@ -22,6 +22,7 @@ from pydantic import (
 
 from tasks.config.section import Section
 from tasks.config.source import verifier_parameters
+from tasks.config.urls import CHAT_TEMPLATE_SWITCHES, PlainUrl, check_chat_template_kwargs
 
 
 class BootstrapConfig(Section):
@@ -62,7 +63,7 @@ class BootstrapConfig(Section):
 class ModelConfig(Section):
     """The initial policy (and teacher): an HF checkpoint folder or URL, or a bootstrap spec."""
 
-    path: str | None = Field(
+    path: PlainUrl | None = Field(
         None,
         description="HF safetensors folder: a local path, an object-store URL, or a hub model (`ORG/NAME[@REVISION]` "
         "or `hf://ORG/NAME[@REVISION][/FOLDER]`, through the hub client's cache); unset = preset or bootstrap",
@@ -76,8 +77,14 @@ class ModelConfig(Section):
     )
     chat_template_kwargs: dict[str, Any] = Field(
         default_factory=dict,
-        description="extra kwargs for apply_chat_template, used for student and teacher alike",
+        description="switches of the chat template, for student and teacher alike: only those chat templates "
+        f"document ({', '.join(CHAT_TEMPLATE_SWITCHES)})",
     )
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _documented_switches(cls, kwargs: dict[str, Any]) -> dict[str, Any]:
+        return check_chat_template_kwargs(kwargs)
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelConfig:
@@ -96,8 +103,8 @@ class DataConfig(Section):
     source: Literal["arithmetic", "prepared"] = Field(
         "arithmetic", description="arithmetic: the generated a+b task; prepared: a file written by `sdpo prepare-data`"
     )
-    path: str | None = Field(None, description="prepared data set URL (source=prepared)")
-    eval_path: str | None = Field(
+    path: PlainUrl | None = Field(None, description="prepared data set URL (source=prepared)")
+    eval_path: PlainUrl | None = Field(
         None, description="prepared held-out set; unset = hold out data.eval_fraction of data.path"
     )
     prompts_per_iteration: int = Field(32, ge=1, description="prompts each iteration takes from the training split")
@@ -218,10 +225,10 @@ def _kwargs_model(name: str) -> type[BaseModel]:
 class SGLangConfig(Section):
     """Servers speaking SGLang's native HTTP API (rollout.engine = sglang)."""
 
-    urls: list[str] = Field(
+    urls: list[PlainUrl] = Field(
         default_factory=list, description="every worker's URL (health, weight and version checks go to each)"
     )
-    router_url: str | None = Field(None, description="send generation through an sglang-router instead")
+    router_url: PlainUrl | None = Field(None, description="send generation through an sglang-router instead")
     request_timeout_s: float = Field(120.0, gt=0, description="seconds one generation request may take")
     health_timeout_s: float = Field(
         300.0, gt=0, description="seconds to wait for the servers to answer their health check"

@@ -219,9 +219,13 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     return build_config(tree, lines_of=lines_of)
 
 
-def refuse_flow_overrides(overrides: list[str]) -> None:
-    """ConfigError for an override that sets storage options: a command's overrides become the
-    parameters of its flow run, which Prefect stores, and storage options are never stored."""
+def refuse_flow_overrides(overrides: list[str], *, config_path: str | Path | None = None) -> None:
+    """ConfigError for a command's parameters that Prefect may not store: they become the parameters
+    of its flow run. Storage options are refused among the overrides, and the parameters pass the
+    scanner every record passes (`storage.credentials.check_record`)."""
+    from storage.credentials import CredentialInRecordError, check_record
+
+    tree: dict[str, Any] = {}
     for i, item in enumerate(overrides, start=1):
         key, value = _parse_override(item, i)
         alone: dict[str, Any] = {}
@@ -232,6 +236,14 @@ def refuse_flow_overrides(overrides: list[str]) -> None:
                 f"override {i} ({key}): storage options cannot be overrides of a run, whose overrides are "
                 "stored as its flow run's parameters; set them under storage.storage_options in the config file"
             )
+        _set_dotted(tree, key, value)
+    try:
+        check_record(
+            {"config_path": None if config_path is None else str(config_path), "overrides": tree},
+            record="the parameters of the flow run (Prefect stores them)",
+        )
+    except CredentialInRecordError as err:
+        raise ConfigError(str(err)) from None
 
 
 def parse_storage_options(text: str, *, source: str) -> dict[str, Any]:
