@@ -293,10 +293,10 @@ def _advance_locked(cfg: Any, layout: Any, *, allow_config_change: bool) -> Any:
     complete = latest >= cfg.iterations
     name_flow_run(f"{cfg.name}/complete" if complete else iteration_run_name(cfg.name, latest + 1))
     tracker = open_tracker(run)
-    stages.prepare_base(cfg.storage.root, cfg.name)
     summary = RunSummary(
         run_url=layout.run_url, tracking_uri=tracker.uri, loss_type=cfg.loss.type, experiment_id=tracker.experiment_id
     )
+    summary.base_info = stages.prepare_base(cfg.storage.root, cfg.name)
     # the flow run that ends the run writes its summary, which needs every step's metrics
     ends_run = latest + 1 >= cfg.iterations
     for n in range(latest + 1):  # what a killed predecessor committed but did not evaluate or log

@@ -166,30 +166,33 @@ def verify(
         typer.secho(f"{len(report.problems)} problem(s):", fg=typer.colors.RED, err=True)
         for url, what in report.problems:
             typer.secho(f"  {url}: {what}", fg=typer.colors.RED, err=True)
-    if differences == []:
-        typer.echo(f"OK: the same files as {compare}, byte for byte but for the wall-clock fields of its records")
-    elif differences:
-        typer.secho(f"{len(differences)} difference(s) from {compare}:", fg=typer.colors.RED, err=True)
-        for line in differences:
-            typer.secho(f"  {line}", fg=typer.colors.RED, err=True)
-    if not report.ok or differences:
+    if differences is not None:
+        for note in differences.notes:  # how each run went: said apart, never a failure
+            typer.echo(f"note, not a difference: {note}")
+        if differences.differences:
+            typer.secho(f"{len(differences.differences)} difference(s) from {compare}:", fg=typer.colors.RED, err=True)
+            for line in differences.differences:
+                typer.secho(f"  {line}", fg=typer.colors.RED, err=True)
+        else:
+            typer.echo(f"OK: the same files as {compare}, byte for byte but for the wall-clock fields of its records")
+    if not report.ok or (differences is not None and differences.differences):
         raise typer.Exit(1)
 
 
-def _compare(layout: Any, other: Any) -> list[str]:
+def _compare(layout: Any, other: Any) -> Any:
     """`storage.compare.compare_runs`, failing with a message when either run does not exist."""
-    from storage.compare import compare_runs
+    from storage.compare import Comparison, compare_runs
     from storage.errors import StorageError
 
     for run in (layout, other):
         if not run.store.exists(run.run_json):
             fail(f"no run {run.run_name!r} under {run.root_url} (no {run.run_json})")
-    differences: list[str] = []
+    comparison = Comparison()
     try:
-        differences = compare_runs(layout, other)
+        comparison = compare_runs(layout, other)
     except StorageError as err:
         fail(f"cannot compare {layout.run_url} with {other.run_url}: {err}")
-    return differences
+    return comparison
 
 
 @app.command()
