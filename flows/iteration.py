@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from prefect import flow
@@ -36,19 +36,31 @@ from tasks.allocator import keep_freed_heap
 logger = logging.getLogger(__name__)
 
 
-def sdpo_iteration(root: str, run: str, iteration: int, launch: dict[str, Any] | None = None) -> dict[str, Any]:
+def sdpo_iteration(
+    root: str,
+    run: str,
+    iteration: int,
+    launch: dict[str, Any] | None = None,
+    record: Callable[[dict[str, Any]], None] = lambda ref: None,
+) -> dict[str, Any]:
     """Advance run `run` under `root` by iteration `iteration`; returns the iteration manifest.
 
     `launch` maps a stage to where it runs (`tasks.config.LaunchConfig` as a dict); absent: in this process.
+    `record` takes each manifest a stage hands on, as it ends (the run's tracking record keeps its digest).
     The four stages are task runs of the calling flow run, named `<run>/iter-NNNN/<stage>`; a
     subflow of their own would add a flow run's orchestration (about 0.25 s on the local server)
     to every iteration and change nothing they commit.
     """
     launch = launch or {}
     rollout = stages.rollout(root, run, iteration, launch.get("rollout"))
+    record(rollout)
     teacher = stages.teacher(root, run, iteration, rollout, launch.get("teacher"))
+    record(teacher)
     trained = stages.train(root, run, iteration, teacher, launch.get("train"))
-    return stages.commit(root, run, iteration, [rollout, teacher, trained])
+    record(trained)
+    committed = stages.commit(root, run, iteration, [rollout, teacher, trained])
+    record(committed)
+    return committed
 
 
 def eval_due(n: int, *, enabled: bool, every: int, last: int) -> bool:
@@ -148,7 +160,7 @@ def complete_iteration(
     """
     from flows.artifacts import publish_iteration
     from storage.adopt import adopt_stage
-    from storage.manifest import read_iteration_manifest, read_latest, stage_done
+    from storage.manifest import read_iteration_manifest, read_latest, read_stage_manifest, stage_done
     from tasks.runtime import retain_after_commit
     from tasks.tracking.summary import sample_table
 
@@ -160,7 +172,7 @@ def complete_iteration(
         if (read_latest(run.layout) or 0) < n:
             if prefetch is not None:  # iteration n's own stages ran ahead and were waited for last call
                 prefetch.ahead_of(n)
-            sdpo_iteration(root, name, n, launch)
+            sdpo_iteration(root, name, n, launch, record=tracker.anchor.record)
             if prefetch is not None:
                 prefetch.wait()
             ran = True
@@ -169,7 +181,9 @@ def complete_iteration(
         if stage_done(run.layout, n, "eval"):  # committed by an earlier attempt: checked before it is reused
             metrics.update(adopt_stage(run.layout, n, "eval", hash_files=cfg.storage.verify_sha256)["metrics"])
         else:
+            tracker.anchor.computing(run.layout.relative(run.layout.stage_manifest(n, "eval")))
             metrics.update(stages.evaluate(root, name, n, launch["eval"]))
+            tracker.anchor.record(read_stage_manifest(run.layout, n, "eval").ref)
     logged = tracker.log_step(n, metrics)
     # a kill after the step's metrics and before its sample table leaves the table to this call
     if n > 0 and (ran or logged or not tracker.has_samples(n)):

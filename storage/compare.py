@@ -6,7 +6,7 @@ records below holds the same bytes: shards, checkpoint files (the distributed ch
 so they are compared as JSON without:
 - the wall-clock fields `created_at`, `updated_at`, `changed_at`, `forked_at`, `pruned_at` and
   `timings`, and the metrics whose names end in `seconds` or `per_second` (`storage.manifest.is_wall_clock`);
-- the digests that follow from those: a manifest's `content_sha256`, the `sha256` with which a
+- the digests that follow from those: a manifest's `content_sha256` and `signature`, the `sha256` with which a
   record names a manifest (`{"path": ".../_manifest.json", "sha256": ...}`, `LATEST`), and a
   fork's `iteration_manifest_sha256`; each manifest named is compared itself;
 - the run's name (`run`, the config's `name`), and the config hashes, which are mapped from one run
@@ -31,6 +31,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from storage.anchor import SIGNATURE
 from storage.layout import MANIFEST_NAME, TOMBSTONE_NAME, RunLayout
 from storage.manifest import CONTENT_DIGEST, decode_json_object, is_wall_clock
 from storage.objects import sha256_bytes
@@ -87,7 +88,7 @@ def normalise(value: Any, hashes: Mapping[str, str], *, top: bool = True) -> Any
         return value
     drop = set(WALL_CLOCK_FIELDS) if top else set()
     if top:
-        drop |= {"run", CONTENT_DIGEST, "iteration_manifest_sha256"}
+        drop |= {"run", CONTENT_DIGEST, SIGNATURE, "iteration_manifest_sha256"}
         if "manifest" in value:  # LATEST: the digest of the iteration manifest it names
             drop.add("sha256")
     if _names_manifest(value):

@@ -39,7 +39,7 @@ from storage.urls import join, normalize
 
 logger = logging.getLogger(__name__)
 
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2  # 2: every manifest of the run records its content digest (storage.manifest)
 # rollout / teacher / train: an iteration's stages; eval: a checkpoint's evaluation; baseline and
 # discovery: iteration 0 of a test-time run (tasks/test_time.py)
 STAGES = ("rollout", "teacher", "train", "eval", "baseline", "discovery")

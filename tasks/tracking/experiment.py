@@ -126,6 +126,8 @@ def metric_names(metrics: dict[str, float], *, loss_type: str) -> dict[str, floa
 class Tracker:
     """Logs one SDPO run; resumes the same MLflow run when the SDPO run resumes."""
 
+    anchor: Any = None  # the run's RunAnchor, set by open_tracker
+
     def __init__(self, cfg: RunConfig, run_url: str, *, local_root_dir: Path | None) -> None:
         import mlflow
         from mlflow.tracking import MlflowClient
@@ -308,9 +310,12 @@ class Tracker:
         """Set the run's tags, once the scanner passes them (`storage.credentials.check_record`)."""
         if not self.enabled:
             return
+        from mlflow.entities import RunTag
+
         check_record(tags, record=f"the MLflow tags of run {self.run_id}")
-        for key, value in tags.items():
-            self.client.set_tag(self.run_id, key, value)
+        items = [RunTag(key, value) for key, value in tags.items()]
+        for i in range(0, len(items), 100):  # MLflow's limit on tags per batch
+            self.client.log_batch(self.run_id, tags=items[i : i + 100])
 
     def log_artifact(self, path: Path, artifact_path: str | None = None) -> None:
         """Log a file of the run's records (a JSON or text file is scanned first; a plot is not text)."""
@@ -346,14 +351,18 @@ class Tracker:
 
 def open_tracker(run: Any) -> Tracker:
     """The MLflow run of SDPO run `run` (created or resumed), with its accepted config changes and,
-    for a fork, its parent tagged."""
+    for a fork, its parent tagged; the store checked against the digests it recorded
+    (`tasks.tracking.anchor`), whose `tracker.anchor` records those of what the run commits next."""
     from storage.fork import read_fork
     from storage.layout import read_config_changes
+    from tasks.tracking.anchor import RunAnchor
     from tasks.tracking.assets import log_datasets
 
     layout = run.layout
     local_root = Path(layout.store.path(layout.root_url)) if layout.store.backend == "file" else None
     tracker = Tracker(run.cfg, layout.run_url, local_root_dir=local_root)
+    tracker.anchor = RunAnchor(tracker, layout)
+    tracker.anchor.open()  # the store checked against the digests recorded when it was committed
     tracker.record_config_changes(read_config_changes(run.layout))
     log_datasets(tracker, run)
     fork = read_fork(layout)
