@@ -45,8 +45,9 @@ _RECORDED: dict[str, dict[str, str]] = {}  # run URL -> {run-relative manifest p
 
 
 def register(run_url: str, digests: Mapping[str, str]) -> None:
-    """The digests the tracking record holds for the run at `run_url`: from now on, every manifest of
-    the run this process reads is checked against them."""
+    """The digests the tracking record holds for the run at `run_url`: from now on, until this process
+    lets go of the run's lock (`storage.lock.RunLock.release`), every manifest of the run it reads is
+    checked against them."""
     _RECORDED[run_url] = dict(digests)
 
 
