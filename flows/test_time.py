@@ -89,9 +89,8 @@ def sdpo_test_time(
     quiet_libraries()
     keep_freed_heap()  # a worker's flow run does not start in the CLI's main()
     cfg = load_config(config_path, overrides or [])
-    refuse_flow_overrides(
-        overrides or [], config_path=config_path
-    )  # started from a deployment, the CLI's check did not run
+    # started from a deployment, the CLI's check of what Prefect stores did not run
+    refuse_flow_overrides(overrides or [], config_path=config_path)
     preflight(cfg)
     check_attacks(cfg)
     layout = run_layout(cfg)
