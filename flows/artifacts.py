@@ -21,6 +21,17 @@ def artifact_key(run_name: str, what: str) -> str:
     return re.sub(r"[^a-z0-9-]+", "-", f"sdpo-{run_name}-{what}".lower())
 
 
+def markdown_artifact(markdown: str, *, key: str, description: str | None = None) -> None:
+    """A markdown artifact of this flow run, once the scanner passes its text
+    (`storage.credentials.check_record`: Prefect stores it, and shows it to anyone who sees the run)."""
+    from prefect.artifacts import create_markdown_artifact
+
+    from storage.credentials import check_record
+
+    check_record({"markdown": markdown, "description": description}, record=f"Prefect artifact {key}")
+    create_markdown_artifact(markdown, key=key, description=description)
+
+
 def mlflow_run_link(tracker: Any) -> str | None:
     """The MLflow UI page of the tracker's run, in the UI's training view, or None when tracking is off
     or no UI is configured."""
@@ -91,12 +102,12 @@ def iteration_markdown(
 def publish_iteration(run: Any, tracker: Any, n: int, metrics: dict[str, float], samples: list[dict[str, Any]]) -> None:
     """Iteration n's markdown summary (its links included) and sample table, as Prefect artifacts
     of this flow run: two API calls per iteration."""
-    from prefect.artifacts import create_markdown_artifact, create_table_artifact
+    from prefect.artifacts import create_table_artifact
 
     name = run.cfg.name
     checkpoint_url = run.layout.checkpoint_dir(n, "policy")
     link = mlflow_run_link(tracker)
-    create_markdown_artifact(
+    markdown_artifact(
         iteration_markdown(run, n, metrics, mlflow_link=link, checkpoint_url=checkpoint_url),
         key=artifact_key(name, "iteration"),
         description=f"{name} iteration {n}: metrics, teacher coverage, stage times",
@@ -110,8 +121,6 @@ def publish_iteration(run: Any, tracker: Any, n: int, metrics: dict[str, float],
 
 def publish_run(run: Any, tracker: Any, summary: dict[str, Any]) -> None:
     """The whole run's summary: accuracy before -> after, time per stage, links."""
-    from prefect.artifacts import create_markdown_artifact
-
     name = run.cfg.name
     link = mlflow_run_link(tracker)
     from tasks.tracking.summary import headline_keys
@@ -139,4 +148,4 @@ def publish_run(run: Any, tracker: Any, summary: dict[str, Any]) -> None:
             f"MLflow run: [{link}]({link})" if link else "MLflow: tracking off or no `tracking.ui_url`",
         ]
     )
-    create_markdown_artifact(markdown, key=artifact_key(name, "summary"), description=f"{name}: the whole run")
+    markdown_artifact(markdown, key=artifact_key(name, "summary"), description=f"{name}: the whole run")

@@ -16,7 +16,8 @@ def sdpo_eval(config_path: str, overrides: list[str] | None = None, iteration: i
     from tasks.config import load_config, refuse_flow_overrides
 
     cfg = load_config(config_path, overrides or [])
-    refuse_flow_overrides(overrides or [])  # started from a deployment, the CLI's check did not run
+    # started from a deployment, the CLI's check of what Prefect stores did not run
+    refuse_flow_overrides(overrides or [], config_path=config_path)
     register_options(cfg.storage.root, cfg.storage.storage_options.as_fsspec())
     layout = RunLayout(cfg.storage.root, cfg.name)
     n = (read_latest(layout) or 0) if iteration < 0 else iteration

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from prefect import flow
@@ -36,19 +36,31 @@ from tasks.allocator import keep_freed_heap
 logger = logging.getLogger(__name__)
 
 
-def sdpo_iteration(root: str, run: str, iteration: int, launch: dict[str, Any] | None = None) -> dict[str, Any]:
+def sdpo_iteration(
+    root: str,
+    run: str,
+    iteration: int,
+    launch: dict[str, Any] | None = None,
+    record: Callable[[dict[str, Any]], None] = lambda ref: None,
+) -> dict[str, Any]:
     """Advance run `run` under `root` by iteration `iteration`; returns the iteration manifest.
 
     `launch` maps a stage to where it runs (`tasks.config.LaunchConfig` as a dict); absent: in this process.
+    `record` takes each manifest a stage hands on, as it ends (the run's tracking record keeps its digest).
     The four stages are task runs of the calling flow run, named `<run>/iter-NNNN/<stage>`; a
     subflow of their own would add a flow run's orchestration (about 0.25 s on the local server)
     to every iteration and change nothing they commit.
     """
     launch = launch or {}
     rollout = stages.rollout(root, run, iteration, launch.get("rollout"))
+    record(rollout)
     teacher = stages.teacher(root, run, iteration, rollout, launch.get("teacher"))
+    record(teacher)
     trained = stages.train(root, run, iteration, teacher, launch.get("train"))
-    return stages.commit(root, run, iteration, [rollout, teacher, trained])
+    record(trained)
+    committed = stages.commit(root, run, iteration, [rollout, teacher, trained])
+    record(committed)
+    return committed
 
 
 def eval_due(n: int, *, enabled: bool, every: int, last: int) -> bool:
@@ -149,7 +161,7 @@ def complete_iteration(
     """
     from flows.artifacts import publish_iteration
     from storage.adopt import adopt_stage
-    from storage.manifest import read_iteration_manifest, read_latest, stage_done
+    from storage.manifest import read_iteration_manifest, read_latest, read_stage_manifest, stage_done
     from tasks.runtime import retain_after_commit
     from tasks.tracking.summary import sample_table
 
@@ -161,7 +173,7 @@ def complete_iteration(
         if not trained and (read_latest(run.layout) or 0) < n:
             if prefetch is not None:  # iteration n's own stages ran ahead and were waited for last call
                 prefetch.ahead_of(n)
-            sdpo_iteration(root, name, n, launch)
+            sdpo_iteration(root, name, n, launch, record=tracker.anchor.record)
             if prefetch is not None:
                 prefetch.wait()
             ran = True
@@ -170,7 +182,9 @@ def complete_iteration(
         if stage_done(run.layout, n, "eval"):  # committed by an earlier attempt: checked before it is reused
             metrics.update(adopt_stage(run.layout, n, "eval", hash_files=cfg.storage.verify_sha256)["metrics"])
         else:
+            tracker.anchor.computing(run.layout.relative(run.layout.stage_manifest(n, "eval")))
             metrics.update(stages.evaluate(root, name, n, launch["eval"]))
+            tracker.anchor.record(read_stage_manifest(run.layout, n, "eval").ref)
     logged = tracker.log_step(n, metrics)
     # a kill after the step's metrics and before its sample table leaves the table to this call
     if n > 0 and (ran or logged or not tracker.has_samples(n)):
@@ -269,7 +283,8 @@ def sdpo_advance(
     quiet_libraries()
     keep_freed_heap()  # a worker's flow run does not start in the CLI's main()
     cfg = load_config(config_path, overrides or [])
-    refuse_flow_overrides(overrides or [])  # started from a deployment, the CLI's check did not run
+    # started from a deployment, the CLI's check of what Prefect stores did not run
+    refuse_flow_overrides(overrides or [], config_path=config_path)
     preflight(cfg)  # before the run lock: a run that cannot start leaves no run folder
     layout = run_layout(cfg)
     with writer_or_cancelled(cfg, layout, force_unlock=force_unlock) as stood_aside:
@@ -292,10 +307,10 @@ def _advance_locked(cfg: Any, layout: Any, *, allow_config_change: bool) -> Any:
     complete = latest >= cfg.iterations
     name_flow_run(f"{cfg.name}/complete" if complete else iteration_run_name(cfg.name, latest + 1))
     tracker = open_tracker(run)
-    stages.prepare_base(cfg.storage.root, cfg.name)
     summary = RunSummary(
         run_url=layout.run_url, tracking_uri=tracker.uri, loss_type=cfg.loss.type, experiment_id=tracker.experiment_id
     )
+    summary.base_info = stages.prepare_base(cfg.storage.root, cfg.name)
     # the flow run that ends the run writes its summary, which needs every step's metrics
     ends_run = latest + 1 >= cfg.iterations
     for n in range(latest + 1):  # what a killed predecessor committed but did not evaluate or log

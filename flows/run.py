@@ -65,7 +65,8 @@ def sdpo_run(
     quiet_libraries()
     keep_freed_heap()  # a worker's flow run does not start in the CLI's main()
     cfg = load_config(config_path, overrides or [])
-    refuse_flow_overrides(overrides or [])  # started from a deployment, the CLI's check did not run
+    # started from a deployment, the CLI's check of what Prefect stores did not run
+    refuse_flow_overrides(overrides or [], config_path=config_path)
     preflight(cfg)  # before the run lock: a run that cannot start leaves no run folder
     layout = run_layout(cfg)
     name_flow_run(f"{cfg.name}/run-to-{cfg.iterations:04d}")

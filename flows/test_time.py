@@ -89,7 +89,8 @@ def sdpo_test_time(
     quiet_libraries()
     keep_freed_heap()  # a worker's flow run does not start in the CLI's main()
     cfg = load_config(config_path, overrides or [])
-    refuse_flow_overrides(overrides or [])  # started from a deployment, the CLI's check did not run
+    # started from a deployment, the CLI's check of what Prefect stores did not run
+    refuse_flow_overrides(overrides or [], config_path=config_path)
     preflight(cfg)
     check_attacks(cfg)
     layout = run_layout(cfg)
@@ -133,8 +134,6 @@ def discovery_markdown(name: str, record: dict[str, Any]) -> str:
 
 
 def publish_discovery(name: str, record: dict[str, Any]) -> None:
-    from prefect.artifacts import create_markdown_artifact
+    from flows.artifacts import artifact_key, markdown_artifact
 
-    from flows.artifacts import artifact_key
-
-    create_markdown_artifact(discovery_markdown(name, record), key=artifact_key(name, "discovery"))
+    markdown_artifact(discovery_markdown(name, record), key=artifact_key(name, "discovery"))

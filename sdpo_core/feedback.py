@@ -322,26 +322,39 @@ def _resolve(spec: str) -> Any:
     return vars(module)[attr]
 
 
-def load_feedback(spec: str, kwargs: dict[str, Any] | None = None) -> FeedbackPolicy:
-    """Instantiate a feedback policy from a short name or a dotted path, with keyword arguments.
-
-    `spec` is one of `FEEDBACK_POLICIES` ("opd", "opsd", "sdpo", "sdpo_relax") or
-    "package.module:ClassName" / "package.module.ClassName". Raises TypeError for a class that is not
-    a `FeedbackPolicy` and for unknown or missing keyword arguments.
-    """
+def feedback_class(spec: str) -> type[FeedbackPolicy]:
+    """The concrete FeedbackPolicy class `spec` names: one of `FEEDBACK_POLICIES` ("opd", "opsd",
+    "sdpo", "sdpo_relax") or "package.module:ClassName" / "package.module.ClassName". Raises
+    ValueError for a name that resolves to nothing, TypeError for anything but a concrete policy."""
     cls = _resolve(spec)
     if not (inspect.isclass(cls) and issubclass(cls, FeedbackPolicy)):
         raise TypeError(f"{spec!r} resolves to {cls!r}, which is not a FeedbackPolicy subclass")
     if inspect.isabstract(cls):
         raise TypeError(f"{spec!r} resolves to the abstract class {cls.__name__}; pick a concrete policy")
+    return cls
+
+
+def feedback_parameters(cls: type[FeedbackPolicy]) -> dict[str, inspect.Parameter]:
+    """The keyword arguments a policy class takes by name (a `**kwargs` of its takes no others)."""
+    return {
+        n: p
+        for n, p in inspect.signature(cls).parameters.items()
+        if p.kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    }
+
+
+def load_feedback(spec: str, kwargs: dict[str, Any] | None = None) -> FeedbackPolicy:
+    """Instantiate a feedback policy from a short name or a dotted path (`feedback_class`), with
+    keyword arguments. Raises TypeError for unknown or missing keyword arguments: a policy takes
+    only the arguments it names."""
+    cls = feedback_class(spec)
     kwargs = dict(kwargs or {})
-    parameters = inspect.signature(cls).parameters
-    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
-        accepted = [n for n, p in parameters.items() if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)]
-        unknown = sorted(set(kwargs) - set(accepted))
-        if unknown:
-            raise TypeError(f"{cls.__name__} got unknown kwargs {unknown}; accepted: {accepted}")
-        missing = [n for n in accepted if parameters[n].default is inspect.Parameter.empty and n not in kwargs]
-        if missing:
-            raise TypeError(f"{cls.__name__} needs kwargs {missing}; accepted: {accepted}")
+    parameters = feedback_parameters(cls)
+    accepted = list(parameters)
+    unknown = sorted(set(kwargs) - set(accepted))
+    if unknown:
+        raise TypeError(f"{cls.__name__} got unknown kwargs {unknown}; accepted: {accepted}")
+    missing = [n for n in accepted if parameters[n].default is inspect.Parameter.empty and n not in kwargs]
+    if missing:
+        raise TypeError(f"{cls.__name__} needs kwargs {missing}; accepted: {accepted}")
     return cls(**kwargs)

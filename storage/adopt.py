@@ -46,10 +46,19 @@ def _redo(layout: RunLayout, n: int, stage: str) -> str:
 
 
 def adopt_latest(layout: RunLayout) -> int | None:
-    """The committed iteration LATEST names, once LATEST checks out against its iteration manifest."""
+    """The committed iteration LATEST names, once LATEST checks out against its iteration manifest.
+    With the signing key set, a failure names the first manifest whose signature does not check out
+    (an edit of a committed stage shows first in the iteration manifests that cover it)."""
+    from storage.anchor import signing_key
+    from storage.anchored import departures
+
     try:
         return verify_latest(layout)
     except _DAMAGE as exc:
+        first = departures(layout, None) if signing_key() is not None else []
+        if first:
+            url, what = first[0]
+            raise DamagedOutputError(url, f"{url} {what}. The run does not go on from it: {_audit(layout)}") from exc
         raise DamagedOutputError(
             layout.latest,
             f"{layout.latest} does not check out: {exc}. The run does not go on from it: {_audit(layout)}; when "

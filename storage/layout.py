@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from storage.credentials import check_record
 from storage.errors import ConfigMismatchError
 from storage.objects import ObjectStore
 from storage.provenance import code_version, utc_now
@@ -38,7 +39,7 @@ from storage.urls import join, normalize
 
 logger = logging.getLogger(__name__)
 
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2  # 2: every manifest of the run records its content digest (storage.manifest)
 # rollout / teacher / train: an iteration's stages; eval: a checkpoint's evaluation; baseline and
 # discovery: iteration 0 of a test-time run (tasks/test_time.py)
 STAGES = ("rollout", "teacher", "train", "eval", "baseline", "discovery")
@@ -47,11 +48,6 @@ MANIFEST_NAME = "_manifest.json"
 TOMBSTONE_NAME = "_pruned.json"
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _ITER_DIR = re.compile(r"^iter-(0|[1-9][0-9]*)$")
-# Credential-looking keys refused in a run config: run.json is readable by anyone who reads the run.
-_CREDENTIAL_KEYS = frozenset(
-    {"aws_access_key_id", "aws_secret_access_key", "aws_session_token", "secret_access_key", "session_token"}
-)
-_CREDENTIAL_KEYS_IN_OPTIONS = frozenset({"key", "secret", "token", "password", "access_key", "secret_key"})
 
 
 def canonical_json(obj: Any) -> bytes:
@@ -247,7 +243,7 @@ def check_checkpoint_kind(kind: str) -> None:
 
 # -- run.json and config changes ------------------------------------------------------------
 def _check_plain(value: Any, key: str) -> None:
-    """Config must be plain JSON data; credentials and storage options must not be in it."""
+    """Config must be plain JSON data, without storage options (they may hold credentials)."""
     if isinstance(value, Mapping):
         for k, v in value.items():
             if not isinstance(k, str):
@@ -257,14 +253,6 @@ def _check_plain(value: Any, key: str) -> None:
                 raise ValueError(
                     f"config key {dotted!r}: storage options are never written to run.json; give them to "
                     "RunLayout in-process, credentials through the environment or a named profile"
-                )
-            leaf = k.lower()
-            in_options = "storage_options" in key or "client_kwargs" in key
-            credential = leaf in _CREDENTIAL_KEYS or (in_options and leaf in _CREDENTIAL_KEYS_IN_OPTIONS)
-            if isinstance(v, str) and v and credential:
-                raise ValueError(
-                    f"config key {dotted!r} looks like a credential; pass it through the AWS environment "
-                    "variables or storage_options in-process, never in the run config"
                 )
             _check_plain(v, dotted)
     elif isinstance(value, list | tuple):
@@ -371,6 +359,7 @@ def create_or_open_run(
     Returns the run record with the effective config (see `read_run`).
     """
     _check_plain(config, "")
+    check_record(config, record=f"the config of run {layout.run_name!r} (run.json, config_changes.jsonl)")
     config = json.loads(canonical_json(config))
     record: dict[str, Any] = {
         "layout_version": LAYOUT_VERSION,

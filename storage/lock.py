@@ -23,6 +23,7 @@ import threading
 import uuid
 from dataclasses import asdict, dataclass
 
+from storage import anchor
 from storage.errors import LockHeldError, PreconditionFailedError
 from storage.layout import RunLayout
 from storage.scratch import pid_alive
@@ -188,6 +189,7 @@ class RunLock:
             self._thread.join()
             self._thread = None
         tag, self.holder, self._tag = self._tag, None, None
+        anchor.forget(self.layout.run_url)  # the recorded digests checked while this process wrote the run
         if self._lost is not None:
             raise LockHeldError(f"run {self.layout.run_name!r}: lock was lost while held") from self._lost
         try:

@@ -5,25 +5,32 @@ Its sha256 (of the stored bytes) is its identity: children name their parents by
 Committing an iteration writes the iteration manifest, then replaces `LATEST`.
 
 A manifest also records, when it is written, the digest of its own content (`content_sha256`: the
-sha256 of the manifest's canonical JSON without that field), and every read checks it. So a
-manifest that nothing names yet (the last committed stage of an iteration not yet committed) is
-still refused once edited, valid JSON or not. Manifests of version 1 predate the field.
+sha256 of the manifest's canonical JSON without that field and the signature), and every read
+checks it. So a manifest that nothing names yet (the last committed stage of an iteration not yet
+committed) is refused once changed by accident, valid JSON or not. Manifests of version 1 predate
+the field; only runs created before it (`run.json`'s layout version 1) may hold them.
+
+Against a deliberate edit, which recomputes the digests, every read also checks the anchors of
+`storage.anchor`: the digest the tracking record holds for the manifest, and, with a signing key in
+the environment, the manifest's signature.
 """
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from storage import anchor
 from storage.errors import AlreadyCommittedError, ChecksumMismatchError, CorruptManifestError, NotCommittedError
 from storage.faults import crash_point
-from storage.layout import RunLayout, read_run
+from storage.layout import LAYOUT_VERSION, RunLayout, read_run
 from storage.objects import sha256_bytes
 from storage.provenance import code_version, utc_now
 
@@ -88,14 +95,20 @@ def _encode(data: Mapping[str, Any]) -> bytes:
 
 
 def content_digest(data: Mapping[str, Any]) -> str:
-    """The digest a manifest records of its own content: its canonical JSON without that field."""
-    return sha256_bytes(_encode({k: v for k, v in data.items() if k != CONTENT_DIGEST}))
+    """The digest a manifest records of its own content: its canonical JSON without that field and
+    without its signature."""
+    return sha256_bytes(_encode({k: v for k, v in data.items() if k not in (CONTENT_DIGEST, anchor.SIGNATURE)}))
 
 
 def write_manifest(layout: RunLayout, url: str, data: Mapping[str, Any]) -> Manifest:
-    """Create the manifest at `url`, with the digest of its content; AlreadyCommittedError if one
-    exists (never overwritten)."""
-    payload = _encode({**data, CONTENT_DIGEST: content_digest(data)})
+    """Create the manifest at `url`, with the digest of its content (and its signature, with a signing
+    key in the environment); AlreadyCommittedError if one exists (never overwritten)."""
+    digest = content_digest(data)
+    signed = {}
+    if (key := anchor.signing_key()) is not None:
+        path = layout.relative(url)
+        signed = {anchor.SIGNATURE: anchor.sign(key, run=layout.run_name, path=path, content_sha256=digest)}
+    payload = _encode({**data, **signed, CONTENT_DIGEST: digest})
     try:
         layout.store.create_exclusive(url, payload)
     except FileExistsError as exc:
@@ -104,25 +117,64 @@ def write_manifest(layout: RunLayout, url: str, data: Mapping[str, Any]) -> Mani
 
 
 def read_manifest(layout: RunLayout, url: str) -> Manifest:
-    """The manifest at `url`; NotCommittedError when there is none."""
+    """The manifest at `url`, checked (`check_content`, `check_anchors`); NotCommittedError when
+    there is none."""
     if not layout.store.exists(url):
         raise NotCommittedError(f"no manifest at {url}: the output is not committed")
     payload = layout.store.read_bytes(url)
     data = decode_json_object(url, payload)
-    check_content(url, data)
-    return Manifest(path=layout.relative(url), sha256=sha256_bytes(payload), data=data)
+    check_content(url, data, legacy=lambda: _created_before_content_digests(layout))
+    manifest = Manifest(path=layout.relative(url), sha256=sha256_bytes(payload), data=data)
+    check_anchors(layout, manifest)
+    return manifest
 
 
-def check_content(url: str, data: Mapping[str, Any]) -> None:
+def _created_before_content_digests(layout: RunLayout) -> bool:
+    """Whether the run was created before every manifest recorded its content digest (run.json's
+    layout version 1): only such a run may hold version-1 manifests."""
+    return int(read_run(layout).get("layout_version", 1)) < LAYOUT_VERSION
+
+
+def check_anchors(layout: RunLayout, manifest: Manifest) -> None:
+    """Refuse a manifest that differs from what its anchors say (CorruptManifestError naming it): the
+    digest the run's tracking record holds for it, when this process registered one
+    (`storage.anchor`), and, with a signing key in the environment, its signature."""
+    url = layout.url(manifest.path)
+    recorded = anchor.recorded_digest(layout.run_url, manifest.path)
+    if recorded is not None and recorded != manifest.sha256:
+        raise CorruptManifestError(
+            f"{url} has sha256 {manifest.sha256}, but the run's tracking record holds {recorded}, recorded when it "
+            "was committed: it was changed since"
+        )
+    key = anchor.signing_key()
+    if key is None:
+        return
+    signature = manifest.data.get(anchor.SIGNATURE)
+    digest = content_digest(manifest.data)
+    if not isinstance(signature, str):
+        raise CorruptManifestError(
+            f"{url} is not signed, and {anchor.SIGNING_KEY_ENV} is set: every manifest of a run written with the "
+            "key carries a signature (a run started without the key is checked without it: unset it)"
+        )
+    expected = anchor.sign(key, run=layout.run_name, path=manifest.path, content_sha256=digest)
+    if not hmac.compare_digest(signature, expected):
+        raise CorruptManifestError(
+            f"{url}: its signature does not match its content under {anchor.SIGNING_KEY_ENV}: it was edited, moved "
+            "from another place, or signed with another key"
+        )
+
+
+def check_content(url: str, data: Mapping[str, Any], *, legacy: Callable[[], bool] = lambda: False) -> None:
     """Refuse a manifest whose content is not what it recorded when written (CorruptManifestError
-    naming `url`). A version-1 manifest, written before manifests recorded their content, passes."""
-    if data.get("manifest_version") == 1 and CONTENT_DIGEST not in data:
+    naming `url`). A version-1 manifest, written before manifests recorded their content, passes only
+    in a run that `legacy()` says was created then."""
+    if data.get("manifest_version") == 1 and CONTENT_DIGEST not in data and legacy():
         return
     recorded = data.get(CONTENT_DIGEST)
     if not isinstance(recorded, str):
         raise CorruptManifestError(
-            f"{url} has no {CONTENT_DIGEST} (it records one since manifest version 2): it was not written by "
-            "this pipeline or was edited"
+            f"{url} has no {CONTENT_DIGEST} (every manifest records one since manifest version 2, and a run "
+            "created since holds no other): it was not written by this pipeline or was edited"
         )
     if (actual := content_digest(data)) != recorded:
         raise CorruptManifestError(

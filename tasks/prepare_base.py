@@ -15,6 +15,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from storage.manifest import is_wall_clock
 from storage.scratch import owner_tag
 from tasks.runtime import Run
 
@@ -110,13 +111,31 @@ def materialise_base(run: Run, *, progress: bool = True) -> tuple[Path, dict[str
 
 
 def ensure_base_checkpoint(run: Run, *, progress: bool = True) -> dict[str, Any]:
-    """Write checkpoint iter-0 (policy) once; later calls return what is already stored."""
+    """Write checkpoint iter-0 (policy) once; return what the store says of it (`stored_base_info`),
+    the same whichever process wrote it or resumed the run."""
     from storage.checkpoints import checkpoint_exists, upload_checkpoint
 
-    if checkpoint_exists(run.layout, 0, "policy"):
-        return {"source": "stored"}
-    local, info = materialise_base(run, progress=progress)
-    # a hub model's manifest records the repository, the revision asked for and its commit
-    metadata = {"hub": info["hub"]} if "hub" in info else None
-    upload_checkpoint(local, run.layout, 0, "policy", parent=info["source"], trained_on=[], metadata=metadata)
-    return info
+    if not checkpoint_exists(run.layout, 0, "policy"):
+        local, info = materialise_base(run, progress=progress)
+        # a hub model's manifest records the repository, the revision asked for and its commit; a
+        # bootstrapped one its settings and warm-up metrics (no timings: the bytes are the same on
+        # any machine), which outlive the files when retention prunes them
+        metadata: dict[str, Any] = {"hub": info["hub"]} if "hub" in info else {}
+        if info["source"] == "bootstrap":
+            metadata["bootstrap"] = {k: v for k, v in info.items() if k != "source" and not is_wall_clock(k)}
+        upload_checkpoint(local, run.layout, 0, "policy", parent=info["source"], trained_on=[], metadata=metadata)
+    return stored_base_info(run.layout)
+
+
+def stored_base_info(layout: Any) -> dict[str, Any]:
+    """What the run's summary says of its base model, read from checkpoint iter-0's manifest as the
+    store holds it: where it came from, the hub's record, a bootstrapped model's settings and warm-up
+    metrics. A run that was resumed, or finished one iteration per process, reports what an
+    uninterrupted run does."""
+    from storage.checkpoints import read_checkpoint_manifest
+
+    manifest = read_checkpoint_manifest(layout, 0, "policy")
+    parent = manifest.data["parent"] or {}
+    info: dict[str, Any] = {"source": parent.get("external", parent.get("path"))}
+    metadata = manifest.data.get("metadata", {})
+    return {**info, **{k: v for k, v in metadata.items() if k != "bootstrap"}, **metadata.get("bootstrap", {})}

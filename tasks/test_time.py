@@ -21,6 +21,7 @@ finished one is only read.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import re
@@ -118,9 +119,14 @@ def pick_questions(run: Run, baseline: Sequence[dict[str, Any]]) -> list[dict[st
 
 
 def attack_name(parent: str, prompt_id: str, seed: int) -> str:
-    """The child run's name: parent, question id (characters outside [A-Za-z0-9._-] as '_'), seed."""
+    """The child run's name: parent, question id (characters outside [A-Za-z0-9._-] as '_'), seed;
+    past the 128 characters a run's name may have, the id and seed are replaced by a digest of them
+    (distinct questions and seeds keep distinct names)."""
     slug = re.sub(r"[^A-Za-z0-9._-]", "_", prompt_id)
-    return f"{parent}-{slug}-s{seed}"[:128]
+    name = f"{parent}-{slug}-s{seed}"
+    if len(name) <= 128:
+        return name
+    return f"{parent}-{hashlib.sha256(f'{prompt_id}/{seed}'.encode()).hexdigest()[:24]}"
 
 
 def attack_config(cfg: Any, layout: Any, prompt_id: str, seed: int) -> dict[str, Any]:

@@ -166,7 +166,7 @@ def load_checked(config: Path, overrides: list[str] | None) -> Any:
 
     try:
         cfg = load_config(config, overrides or [])
-        refuse_flow_overrides(overrides or [])
+        refuse_flow_overrides(overrides or [], config_path=config)
         preflight(cfg)
     except ConfigError as err:
         fail(str(err))

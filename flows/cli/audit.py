@@ -132,6 +132,13 @@ def verify(
         str | None, typer.Option("--compare", metavar="OTHER", help="a run of the same config to compare with")
     ] = None,
     compare_root: Annotated[str | None, typer.Option(help="run root of the --compare run (default: --root)")] = None,
+    tracking_uri: Annotated[
+        str | None,
+        typer.Option(
+            help="the MLflow tracking store that holds the run's recorded digests (default: the one its run.json "
+            "names, or the SQLite store beside a local root)"
+        ),
+    ] = None,
 ) -> None:
     """Re-hash every committed shard, checkpoint file and manifest of a run against the manifests
     (and LATEST against its iteration manifest); exits 1 when anything is damaged or missing.
@@ -146,10 +153,15 @@ def verify(
 
     layout = RunLayout(root, run_name)
     differences = None if compare is None else _compare(layout, RunLayout(compare_root or root, compare))
+    departures = _anchors(layout, tracking_uri)
     columns = ("{task.description}", BarColumn(), DownloadColumn(), TimeRemainingColumn())
     with Progress(*columns, transient=True) as bar:
         task = bar.add_task(f"verifying {run_name}", total=committed_bytes(layout))
         report = verify_run(layout, progress=lambda n: bar.advance(task, n))
+    if departures:
+        url, what = departures[0]
+        typer.secho(f"first manifest that departs from its anchors: {url} {what}", fg="red", err=True)
+        report.problems[:0] = departures
     typer.echo(
         f"run {layout.run_url}: {report.manifests} manifests, {report.files} files, "
         f"{report.bytes / 2**20:.1f} MiB checked"
@@ -166,30 +178,83 @@ def verify(
         typer.secho(f"{len(report.problems)} problem(s):", fg=typer.colors.RED, err=True)
         for url, what in report.problems:
             typer.secho(f"  {url}: {what}", fg=typer.colors.RED, err=True)
-    if differences == []:
-        typer.echo(f"OK: the same files as {compare}, byte for byte but for the wall-clock fields of its records")
-    elif differences:
-        typer.secho(f"{len(differences)} difference(s) from {compare}:", fg=typer.colors.RED, err=True)
-        for line in differences:
-            typer.secho(f"  {line}", fg=typer.colors.RED, err=True)
-    if not report.ok or differences:
+    if differences is not None:
+        for note in differences.notes:  # how each run went: said apart, never a failure
+            typer.echo(f"note, not a difference: {note}")
+        if differences.differences:
+            typer.secho(f"{len(differences.differences)} difference(s) from {compare}:", fg=typer.colors.RED, err=True)
+            for line in differences.differences:
+                typer.secho(f"  {line}", fg=typer.colors.RED, err=True)
+        else:
+            typer.echo(f"OK: the same files as {compare}, byte for byte but for the wall-clock fields of its records")
+    if not report.ok or (differences is not None and differences.differences):
         raise typer.Exit(1)
 
 
-def _compare(layout: Any, other: Any) -> list[str]:
+def _anchors(layout: Any, tracking_uri: str | None) -> list[tuple[str, str]]:
+    """Say what anchors the run's audit trail (its MLflow run's recorded digests, the signing key, or
+    nothing) and return the manifests that depart from them, first edited first."""
+    from storage import anchor
+    from storage.anchored import departures
+    from tasks.tracking.anchor import recorded_digests
+
+    if not layout.store.exists(layout.run_json):
+        return []  # verify_run reports the missing run
+    uri = tracking_uri or _tracking_uri_of(layout)
+    found = None if uri is None else recorded_digests(uri, _experiment_of(layout), layout.run_url)
+    recorded = found[1] if found is not None and found[1] else None
+    signed = anchor.signing_key() is not None
+    if found is not None and recorded is not None:
+        typer.echo(f"anchored: {len(recorded)} manifest digests recorded in MLflow run {found[0]} ({uri})")
+    if signed:
+        typer.echo(f"signed: every manifest's signature is checked under {anchor.SIGNING_KEY_ENV}")
+    if recorded is None and not signed:
+        typer.echo(
+            "unanchored: no tracking record of this run and no signing key ("
+            + anchor.SIGNING_KEY_ENV
+            + "): the check proves the files match the manifests and the manifests their digests, up to LATEST, "
+            "which catches accidents; whoever can write the store can edit a manifest and recompute them"
+        )
+    return departures(layout, recorded) if recorded is not None or signed else []
+
+
+def _tracking_uri_of(layout: Any) -> str | None:
+    """The tracking URI the run's config names (None with tracking off): its run.json's, else the SQLite
+    store beside a local root, or in .sdpo of the working directory for an object-store root."""
+    from pathlib import Path
+
+    from storage.layout import read_run_config
+
+    tracking = read_run_config(layout).get("tracking", {})
+    if not tracking.get("enabled", True):
+        return None
+    if tracking.get("uri"):
+        return str(tracking["uri"])
+    base = Path(layout.store.path(layout.root_url)) if layout.store.backend == "file" else Path(".sdpo")
+    db = base / "mlflow.db"
+    return f"sqlite:///{db.resolve()}" if db.is_file() else None
+
+
+def _experiment_of(layout: Any) -> str:
+    from storage.layout import read_run_config
+
+    return str(read_run_config(layout).get("tracking", {}).get("experiment", "sdpo"))
+
+
+def _compare(layout: Any, other: Any) -> Any:
     """`storage.compare.compare_runs`, failing with a message when either run does not exist."""
-    from storage.compare import compare_runs
+    from storage.compare import Comparison, compare_runs
     from storage.errors import StorageError
 
     for run in (layout, other):
         if not run.store.exists(run.run_json):
             fail(f"no run {run.run_name!r} under {run.root_url} (no {run.run_json})")
-    differences: list[str] = []
+    comparison = Comparison()
     try:
-        differences = compare_runs(layout, other)
+        comparison = compare_runs(layout, other)
     except StorageError as err:
         fail(f"cannot compare {layout.run_url} with {other.run_url}: {err}")
-    return differences
+    return comparison
 
 
 @app.command()

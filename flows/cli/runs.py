@@ -163,7 +163,7 @@ def evaluate(
     setup_logging(False)
     try:
         cfg = load_config(config, overrides or [])
-        refuse_flow_overrides(overrides or [])  # they become the flow run's parameters
+        refuse_flow_overrides(overrides or [], config_path=config)  # they become the flow run's parameters
     except ConfigError as err:
         fail(str(err))
     with prefect_local_mode(cfg.name):

@@ -6,13 +6,18 @@ and returns one raw `Execution` per test; this module judges those executions ag
 expected outputs (which therefore never enter the sandbox) and writes the feedback.
 
 Label: JSON text `{"testtype": "stdin"|"functional"|"assert", "inputs": [...], "outputs": [...],
-"fn_name": str|null, "time_limit": seconds|null, "setup": str, "entry_points": [str, ...]}`:
+"fn_name": str|null, "time_limit": seconds|null, "setup": str, "entry_points": [str, ...],
+"tolerance": {"abs": x, "rel": y}|absent}`:
 - `stdin`: each input is fed to the program's standard input; its standard output must match the
-  expected output line by line (`code_outputs.stdout_matches`: integers exactly, floats within
-  1e-6, ASCII digits only).
+  expected output line by line (`code_outputs.stdout_matches`: numbers by their exact decimal
+  value whatever the program printed, ASCII digits only).
 - `functional` (LiveCodeBench's call-based tests): each input holds one JSON value per line, the
   positional arguments of `fn_name` (a method of `class Solution` when the program defines one);
-  the return value must equal the expected JSON value (`code_outputs.value_matches`).
+  the return value must equal the expected JSON value (`code_outputs.value_matches`, numbers as
+  above, an int and a float alike).
+- `tolerance` (stdin and functional only): the label says its answers are real-valued, and a number
+  within max(abs, rel * |expected|) of the expected one passes. Without it, every number must be
+  exact: the expected value decides what counts, never the program's choice of int or float.
 - `assert` (HumanEval / MBPP): each input is Python test code, run after `setup` in a namespace that
   takes from the program only `entry_points` (the sandbox's judge runs it; the program's functions
   are called across a process boundary); the test passes when it raises nothing. `outputs` is
@@ -35,7 +40,7 @@ from keyword import iskeyword
 from typing import Any, Literal, get_args
 
 from sdpo_core.records import Verdict
-from sdpo_core.verifiers.code_outputs import stdout_matches, value_matches
+from sdpo_core.verifiers.code_outputs import Tolerance, parse_tolerance, stdout_matches, value_matches
 
 __all__ = [
     "EXEC_STATUSES",
@@ -45,6 +50,7 @@ __all__ = [
     "TestResult",
     "TestRunner",
     "TestSuite",
+    "Tolerance",
     "extract_code",
     "format_feedback",
     "judge",
@@ -85,6 +91,7 @@ class TestSuite:
     time_limit: float | None = None
     setup: str = ""
     entry_points: tuple[str, ...] = ()
+    tolerance: Tolerance | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "inputs", tuple(self.inputs))
@@ -115,6 +122,8 @@ class TestSuite:
             raise ValueError("functional tests need fn_name")
         if self.time_limit is not None and not self.time_limit > 0:
             raise ValueError(f"time_limit must be > 0 seconds, got {self.time_limit}")
+        if self.tolerance is not None and self.testtype == "assert":
+            raise ValueError("assert tests carry no tolerance: their test code compares the values itself")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -165,7 +174,16 @@ def parse_tests(label: str) -> TestSuite:
     data = json.loads(label)
     if not isinstance(data, dict):
         raise ValueError(f"a code label must be a JSON object, got {type(data).__name__}")
-    unknown = set(data) - {"testtype", "inputs", "outputs", "fn_name", "time_limit", "setup", "entry_points"}
+    unknown = set(data) - {
+        "testtype",
+        "inputs",
+        "outputs",
+        "fn_name",
+        "time_limit",
+        "setup",
+        "entry_points",
+        "tolerance",
+    }
     if unknown:
         raise ValueError(f"unknown keys in code label: {sorted(unknown)}")
     return TestSuite(
@@ -176,6 +194,7 @@ def parse_tests(label: str) -> TestSuite:
         time_limit=data.get("time_limit"),
         setup=data.get("setup") or "",
         entry_points=data.get("entry_points") or (),
+        tolerance=parse_tolerance(data.get("tolerance"), label="code"),
     )
 
 
@@ -191,6 +210,8 @@ def suite_to_label(suite: TestSuite) -> str:
     }
     if suite.entry_points:
         data["entry_points"] = list(suite.entry_points)
+    if suite.tolerance is not None:
+        data["tolerance"] = {"abs": suite.tolerance.abs, "rel": suite.tolerance.rel}
     return json.dumps(data, ensure_ascii=False)
 
 
@@ -228,7 +249,7 @@ def judge(suite: TestSuite, executions: Sequence[Execution]) -> list[TestResult]
         else:
             assert expected is not None
             match = stdout_matches if suite.testtype == "stdin" else value_matches
-            outcome: Outcome = "passed" if match(ex.output, expected) else "wrong_answer"
+            outcome: Outcome = "passed" if match(ex.output, expected, suite.tolerance) else "wrong_answer"
             results.append(TestResult(outcome=outcome, **common))
     return results
 

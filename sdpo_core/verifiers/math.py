@@ -2,15 +2,19 @@
 
 Final answer: the content of the last `\\boxed{…}` (or `\\fbox{…}`, nested braces allowed), else the
 text after the last GSM8K-style `####`, else (only with `allow_last_number=True`) the last number in
-the response. A label may be a bare answer or a whole GSM8K solution ending in `#### 72`.
+the response. A label may be a bare answer, a whole GSM8K solution ending in `#### 72`, or a JSON
+object `{"answer": "3.1416", "tolerance": {"abs": 1e-4, "rel": 0}}` for a real-valued answer.
 
 Comparison, after normalisation (dollar signs, `\\left`/`\\right`, spacing commands, `\\text{}`
 wrappers, thousands separators "1,000", a trailing unit word or `%`, "x = " prefixes):
 1. as numbers: integers, decimals, scientific notation, `a/b`, `\\frac{a}{b}` (also `\\dfrac`,
-   `\\tfrac`, `\\frac12`), exactly as fractions, else within a relative 1e-6;
+   `\\tfrac`, `\\frac12`), exactly as fractions, never through a binary float. The expected
+   value decides: "974067841" is not "974067840", nor is "9.74067841e8". Only a label that gives a
+   `tolerance` (its answer is real-valued) accepts a number within max(abs, rel * |expected|);
 2. as tuples: top-level comma lists compare element by element ("(1, 2)");
 3. symbolically with sympy (`\\sqrt`, `\\pi`, powers, implicit products), only for short
-   expressions made of whitelisted tokens, since sympy's parser evaluates its input;
+   expressions made of whitelisted tokens, since sympy's parser evaluates its input; decimal
+   literals are read as exact rationals there too ("1e20+1" is not 10^20);
 4. else as normalised strings.
 
 Feedback never reveals the expected answer unless `reveal_answer=True`.
@@ -25,13 +29,24 @@ unbounded big-number work.
 
 from __future__ import annotations
 
+import json
 import re
 from fractions import Fraction
 from functools import lru_cache
 
 from sdpo_core.records import Verdict
+from sdpo_core.verifiers.code_outputs import Tolerance, parse_tolerance
 
-__all__ = ["FORMAT_ERROR", "TRUNCATED", "answers_match", "extract_final_answer", "normalise", "to_number", "verify"]
+__all__ = [
+    "FORMAT_ERROR",
+    "TRUNCATED",
+    "answers_match",
+    "extract_final_answer",
+    "normalise",
+    "parse_label",
+    "to_number",
+    "verify",
+]
 
 TRUNCATED = "Your response was truncated because it exceeded the maximum length. Give the final answer earlier."
 FORMAT_ERROR = (
@@ -207,11 +222,32 @@ def to_number(text: str) -> Fraction | None:
     return sign * numerator / denominator
 
 
-def _numbers_equal(a: Fraction, b: Fraction) -> bool:
-    if a == b:
+def _numbers_equal(answer: Fraction, expected: Fraction, tolerance: Tolerance | None) -> bool:
+    """Equal values; within the label's tolerance of the expected value when it gives one."""
+    if answer == expected:
         return True
-    scale = max(abs(a), abs(b))
-    return abs(a - b) <= Fraction(1, 10**6) * scale
+    if tolerance is None:
+        return False
+    return abs(answer - expected) <= max(Fraction(tolerance.abs), Fraction(tolerance.rel) * abs(expected))
+
+
+def parse_label(label: str) -> tuple[str, Tolerance | None]:
+    """(expected answer, tolerance) of a label: a bare answer or a GSM8K solution (no tolerance), or
+    `{"answer": ..., "tolerance": {"abs": x, "rel": y}}` for a real-valued answer."""
+    text = label.strip()
+    if not text.startswith("{"):
+        return label, None
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return label, None  # a set or a LaTeX group, "{1, 2}"
+    if not isinstance(data, dict) or "answer" not in data:
+        return label, None
+    if set(data) - {"answer", "tolerance"} or not isinstance(data["answer"], str) or not data["answer"].strip():
+        raise ValueError(
+            f'a math label object is {{"answer": "...", "tolerance": {{"abs": x, "rel": y}}}}, got {label!r}'
+        )
+    return data["answer"], parse_tolerance(data.get("tolerance"), label="math")
 
 
 def _split_top_level(s: str) -> list[str]:
@@ -281,13 +317,15 @@ def _sympy_equal(a: str, b: str) -> bool:
         convert_xor,
         implicit_multiplication_application,
         parse_expr,
+        rationalize,
         standard_transformations,
     )
 
     names = {n: getattr(sympy, n) for n in ("sqrt", "pi", "oo", "log", "exp", "sin", "cos", "tan")}
     names.update({c: sympy.Symbol(c) for c in "abcdefghjklmnopqrstuvwxyzABCDFGHJKLMNOPQRSTUVWXYZ"})
     names.update({"e": sympy.E, "i": sympy.I, "E": sympy.E, "I": sympy.I})
-    transformations = standard_transformations + (implicit_multiplication_application, convert_xor)
+    # rationalize: a decimal literal is the exact rational it denotes, never a binary float
+    transformations = standard_transformations + (implicit_multiplication_application, convert_xor, rationalize)
     # The input passed the token whitelist, so only these names can be referenced; no builtins.
     global_dict = {**{k: v for k, v in vars(sympy).items() if not k.startswith("_")}, "__builtins__": {}}
     try:
@@ -317,8 +355,9 @@ def _sympy_equal(a: str, b: str) -> bool:
         return False
 
 
-def answers_match(answer: str, expected: str) -> bool:
-    """Whether two final answers are the same value (see the module docstring for the rules)."""
+def answers_match(answer: str, expected: str, tolerance: Tolerance | None = None) -> bool:
+    """Whether two final answers are the same value (see the module docstring for the rules);
+    `tolerance` is the label's, for a real-valued answer."""
     if len(answer) > _MAX_ANSWER_CHARS:  # the label is trusted data; the answer is bounded
         return answer.strip() == normalise(expected)
     a, e = normalise(answer), normalise(expected)
@@ -326,10 +365,12 @@ def answers_match(answer: str, expected: str) -> bool:
         return True
     na, ne = to_number(a), to_number(e)
     if na is not None and ne is not None:
-        return _numbers_equal(na, ne)
+        return _numbers_equal(na, ne, tolerance)
     parts_a, parts_e = _split_top_level(a), _split_top_level(e)
     if len(parts_e) > 1 or len(parts_a) > 1:
-        return len(parts_a) == len(parts_e) and all(answers_match(x, y) for x, y in zip(parts_a, parts_e, strict=True))
+        return len(parts_a) == len(parts_e) and all(
+            answers_match(x, y, tolerance) for x, y in zip(parts_a, parts_e, strict=True)
+        )
     sa, se = _to_sympy_text(a), _to_sympy_text(e)
     if sa is not None and se is not None:
         return _sympy_equal(sa, se)
@@ -351,12 +392,13 @@ def verify(
     """
     if not label.strip():
         raise ValueError("the math label is empty")
+    label, tolerance = parse_label(label)
     if truncated:
         return Verdict(reward=0.0, feedback=TRUNCATED, truncated=True)
     answer = extract_final_answer(response_text, allow_last_number=allow_last_number)
     if answer is None:
         return Verdict(reward=0.0, feedback=FORMAT_ERROR, format_error=True)
-    if answers_match(answer, label):
+    if answers_match(answer, label, tolerance):
         return Verdict(reward=1.0)
     shown = answer if len(answer) <= 100 else answer[:97] + "..."
     feedback = f"Your final answer {shown} is not correct."

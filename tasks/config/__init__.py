@@ -1,7 +1,9 @@
 """The run configuration: one typed tree, validated at construction.
 
 Every default of the product lives here and nowhere else. The package imports only pydantic and
-PyYAML so that a flow can validate a config on any worker without torch, Megatron or SGLang.
+PyYAML so that a flow can validate a config on any worker without torch, Megatron or SGLang
+(validation also reads the verifiers' and feedback classes' signatures and the credential rules of
+`storage.credentials`).
 
 A config is loaded from YAML plus dotted overrides::
 
@@ -9,10 +11,11 @@ A config is loaded from YAML plus dotted overrides::
 
 Errors name the field (with file:line for a value from the YAML file) and say what to change; a
 key given twice in one mapping of the file is refused with both lines (YAML would keep the last).
-Every float must be finite. Credential-looking keys (however spelled) and URLs with a password or
-a credential in their query are refused while loading, before the config is validated, printed or
-handed to anything, and the error names the key, never the value. Storage options are an
-allow-list of those that are not secrets (`StorageOptions`), kept out of every record.
+Every float must be finite. Credentials are refused by allow-list: every URL field holds no user,
+query or fragment, free-form mappings hold only the names the product knows (`urls.py`), and
+credential-looking keys and values (however spelled) are refused while loading, before the config
+is validated, printed or handed to anything; the error names the key, never the value. Storage
+options are an allow-list of those that are not secrets (`StorageOptions`), kept out of every record.
 
 The tree is split by what its values decide: `experiment` (everything that can change the result),
 `operations` (where a run lives, runs and what it keeps), `run` (the root `RunConfig`, loading,

@@ -22,6 +22,7 @@ from pydantic import (
 
 from tasks.config.section import Section
 from tasks.config.source import verifier_parameters
+from tasks.config.urls import CHAT_TEMPLATE_SWITCHES, PlainUrl, check_chat_template_kwargs
 
 
 class BootstrapConfig(Section):
@@ -62,7 +63,7 @@ class BootstrapConfig(Section):
 class ModelConfig(Section):
     """The initial policy (and teacher): an HF checkpoint folder or URL, or a bootstrap spec."""
 
-    path: str | None = Field(
+    path: PlainUrl | None = Field(
         None,
         description="HF safetensors folder: a local path, an object-store URL, or a hub model (`ORG/NAME[@REVISION]` "
         "or `hf://ORG/NAME[@REVISION][/FOLDER]`, through the hub client's cache); unset = preset or bootstrap",
@@ -76,8 +77,14 @@ class ModelConfig(Section):
     )
     chat_template_kwargs: dict[str, Any] = Field(
         default_factory=dict,
-        description="extra kwargs for apply_chat_template, used for student and teacher alike",
+        description="switches of the chat template, for student and teacher alike: only those chat templates "
+        f"document ({', '.join(CHAT_TEMPLATE_SWITCHES)})",
     )
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _documented_switches(cls, kwargs: dict[str, Any]) -> dict[str, Any]:
+        return check_chat_template_kwargs(kwargs)
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelConfig:
@@ -98,8 +105,8 @@ class DataConfig(Section):
         description="arithmetic: the generated a+b task; easy_code: generated one-function Python tasks with "
         "functional tests (verifier.name=code); prepared: a file written by `sdpo prepare-data`",
     )
-    path: str | None = Field(None, description="prepared data set URL (source=prepared)")
-    eval_path: str | None = Field(
+    path: PlainUrl | None = Field(None, description="prepared data set URL (source=prepared)")
+    eval_path: PlainUrl | None = Field(
         None, description="prepared held-out set; unset = hold out data.eval_fraction of data.path"
     )
     prompts_per_iteration: int = Field(32, ge=1, description="prompts each iteration takes from the training split")
@@ -180,9 +187,7 @@ class VerifierConfig(Section):
         try:
             _kwargs_model(name).model_validate(kwargs)
         except ValidationError as err:
-            raise ValueError(
-                "; ".join(f"{'.'.join(map(str, e['loc']))}={e['input']!r}: {e['msg']}" for e in err.errors())
-            ) from None
+            raise ValueError(_field_errors(err)) from None
         if name == "code":
             from tasks.sandbox.program import SandboxLimits
 
@@ -193,10 +198,20 @@ class VerifierConfig(Section):
         return kwargs
 
 
+def _strict_model(name: str, fields: dict[str, Any]) -> type[BaseModel]:
+    """Keyword arguments as a strict model of their annotated types: no coercion (`nproc: 2.5`,
+    `partial_credit: maybe` and `memory_mb: '512'` are refused), floats finite, no other names."""
+    strict = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False, arbitrary_types_allowed=True)
+    return create_model(name, __config__=strict, **fields)
+
+
+def _field_errors(err: ValidationError) -> str:
+    return "; ".join(f"{'.'.join(map(str, e['loc']))}={e['input']!r}: {e['msg']}" for e in err.errors())
+
+
 @cache
 def _kwargs_model(name: str) -> type[BaseModel]:
-    """The verifier's keyword arguments as a strict model of their annotated types: no coercion
-    (`nproc: 2.5`, `partial_credit: maybe` and `memory_mb: '512'` are refused), floats finite."""
+    """The verifier's keyword arguments as a strict model of their annotated types."""
     from sdpo_core.verifiers import VERIFIERS
 
     if name == "code":
@@ -206,17 +221,16 @@ def _kwargs_model(name: str) -> type[BaseModel]:
     else:
         types = get_type_hints(VERIFIERS[name])
     fields: dict[str, Any] = {k: (types[k], p.default) for k, p in verifier_parameters(name).items()}
-    strict = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
-    return create_model(f"{name}_verifier_kwargs", __config__=strict, **fields)
+    return _strict_model(f"{name}_verifier_kwargs", fields)
 
 
 class SGLangConfig(Section):
     """Servers speaking SGLang's native HTTP API (rollout.engine = sglang)."""
 
-    urls: list[str] = Field(
+    urls: list[PlainUrl] = Field(
         default_factory=list, description="every worker's URL (health, weight and version checks go to each)"
     )
-    router_url: str | None = Field(None, description="send generation through an sglang-router instead")
+    router_url: PlainUrl | None = Field(None, description="send generation through an sglang-router instead")
     request_timeout_s: float = Field(120.0, gt=0, description="seconds one generation request may take")
     health_timeout_s: float = Field(
         300.0, gt=0, description="seconds to wait for the servers to answer their health check"
@@ -304,6 +318,46 @@ class TeacherConfig(Section):
         description="teacher scorer: the HF model in process, or a Megatron forward-only model "
         "(packed, SDPA attention, tensor parallel as train.tensor_parallel)",
     )
+
+    @field_validator("feedback")
+    @classmethod
+    def _a_feedback_class(cls, spec: str) -> str:
+        from sdpo_core.feedback import feedback_class
+
+        try:
+            feedback_class(spec)
+        except (ValueError, TypeError, ImportError) as err:
+            raise ValueError(str(err)) from None
+        return spec
+
+    @field_validator("feedback_kwargs")
+    @classmethod
+    def _kwargs_fit_the_feedback(cls, kwargs: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        """Only the names the feedback class takes, of their annotated types, and values its own
+        checks accept (templates, thresholds): found when the config loads, not by the teacher stage."""
+        from sdpo_core.feedback import feedback_class, feedback_parameters
+
+        spec = info.data.get("feedback")
+        if spec is None:  # the class itself is invalid: reported on its own
+            return kwargs
+        policy = feedback_class(spec)
+        params = feedback_parameters(policy)
+        unknown = sorted(set(kwargs) - set(params))
+        if unknown:
+            raise ValueError(
+                f"{unknown} are not parameters of the feedback class {spec!r}; it takes {sorted(params)} "
+                "(a credential is never one: the teacher's context needs none)"
+            )
+        types = get_type_hints(policy)
+        fields: dict[str, Any] = {k: (types.get(k, Any), p.default) for k, p in params.items()}
+        try:
+            _strict_model(f"{policy.__name__}_kwargs", fields).model_validate(kwargs)
+            policy(**kwargs)
+        except ValidationError as err:
+            raise ValueError(_field_errors(err)) from None
+        except (TypeError, ValueError) as err:
+            raise ValueError(str(err)) from None
+        return kwargs
 
     @field_validator("update_rate")
     @classmethod

@@ -10,6 +10,7 @@ from pydantic import Field, field_validator, model_validator
 
 from tasks.config.section import Section
 from tasks.config.source import CREDENTIALS_GO
+from tasks.config.urls import PlainUrl
 
 
 class KeepRuleConfig(Section):
@@ -161,14 +162,15 @@ class StorageConfig(Section):
 class TrackingConfig(Section):
     """MLflow: where runs are logged and what is logged besides the metrics."""
 
-    uri: str | None = Field(
+    uri: PlainUrl | None = Field(
         None,
-        description="MLflow tracking URI; unset = one sqlite store per storage root: <root>/mlflow.db "
+        description="MLflow tracking URI (no user, query or fragment: a tracking server's credentials come from "
+        "MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD or MLFLOW_TRACKING_TOKEN); unset = one sqlite store per storage root: <root>/mlflow.db "
         "(local root) or .sdpo/mlflow.db (object-store root)",
     )
     experiment: str = Field("sdpo", description="the MLflow experiment the run is logged under")
     enabled: bool = Field(True, description="log to MLflow at all")
-    ui_url: str | None = Field(
+    ui_url: PlainUrl | None = Field(
         "http://127.0.0.1:5000", description="MLflow UI address that Prefect artifacts link to; null = no links"
     )
     system_metrics: bool = Field(

@@ -29,6 +29,7 @@ from pydantic.fields import FieldInfo
 
 from tasks.config.run import RunConfig
 from tasks.config.section import Section
+from tasks.config.urls import plain_url
 
 REFERENCE_PATH = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 COMMAND = "python -m tasks.config.reference"
@@ -59,6 +60,10 @@ def type_name(annotation: Any) -> str:
     if annotation is Any:
         return "any"
     origin = get_origin(annotation)
+    if origin is typing.Annotated:  # PlainUrl: a path, or a URL with no user, query or fragment
+        base, *metadata = get_args(annotation)
+        plain = any(getattr(item, "func", None) is plain_url for item in metadata)
+        return "url (no user, query, fragment)" if plain else type_name(base)
     if origin is Literal:
         return " | ".join(json.dumps(arg) for arg in get_args(annotation))
     if origin in (typing.Union, types.UnionType):

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 from typing import Any
 
-import yaml
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from tasks.config.experiment import (
     DataConfig,
@@ -26,7 +26,20 @@ from tasks.config.experiment import (
 )
 from tasks.config.operations import LaunchConfig, StorageConfig, StorageOptions, TrackingConfig
 from tasks.config.section import Section
-from tasks.config.source import CREDENTIALS_GO, ConfigError, read_yaml, refuse_credentials, where
+from tasks.config.source import (
+    CREDENTIALS_GO,
+    MAX_DEPTH,
+    ConfigError,
+    parse_value,
+    read_yaml,
+    refuse_credentials,
+    where,
+)
+
+MAX_NAME_CHARS = 100  # a test-time run's children add a suffix, within the 128 a run folder's name may have
+# What a local root holds beside its runs (the default MLflow store, SQLite's files beside it, the
+# artifacts): no run folder may take these names.
+RESERVED_RUN_NAMES = re.compile(r"^(mlflow\.db.*|mlartifacts)$")
 
 
 class RunConfig(Section):
@@ -35,7 +48,8 @@ class RunConfig(Section):
     name: str = Field(
         "demo",
         pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
-        description="the run: its folder under storage.root, its MLflow run, its Prefect flow runs",
+        description=f"the run: its folder under storage.root, its MLflow run, its Prefect flow runs; at most "
+        f"{MAX_NAME_CHARS} characters",
     )
     seed: int = Field(0, description="seeds the prompt order, sampling, mini-batches and the model's initialisation")
     iterations: int = Field(10, ge=1, description="iterations the run trains; it is complete after the last")
@@ -53,6 +67,20 @@ class RunConfig(Section):
     pipeline: PipelineConfig = PipelineConfig()
     test_time: TestTimeConfig = TestTimeConfig()
     launch: LaunchConfig = LaunchConfig()
+
+    @field_validator("name")
+    @classmethod
+    def _usable_name(cls, name: str) -> str:
+        if len(name) > MAX_NAME_CHARS:
+            raise ValueError(
+                f"a run name of {len(name)} characters; give one of at most {MAX_NAME_CHARS} (it names the run's "
+                "folder, its MLflow run and flow runs, and the runs a test-time run starts)"
+            )
+        if RESERVED_RUN_NAMES.match(name):
+            raise ValueError(
+                f"{name!r} is what a run root holds beside its runs (the MLflow store and its artifacts); pick another name"
+            )
+        return name
 
     @model_validator(mode="after")
     def _cross_section(self) -> RunConfig:
@@ -126,16 +154,25 @@ def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
     node[keys[-1]] = value
 
 
+def _parse_override(item: str, index: int) -> tuple[str, Any]:
+    """(dotted key, value) of override number `index` (`key.sub=value`, the value parsed as YAML)."""
+    if "=" not in item:
+        raise ConfigError(f"override {index} ({item[:200]!r}) is not of the form section.key=value")
+    key, raw = item.split("=", 1)
+    key = key.strip()
+    if not key:
+        raise ConfigError(f"override {index} ({item[:200]!r}) has an empty key")
+    source = f"override {index} ({key[:80]})"
+    if key.count(".") + 1 > MAX_DEPTH:
+        raise ConfigError(f"{source}: a key of {key.count('.') + 1} levels; a run config nests at most {MAX_DEPTH}")
+    return key, parse_value(raw, source=source, depth=key.count(".") + 1) if raw.strip() else ""
+
+
 def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """Return a copy of `tree` with `key.sub=value` overrides applied (values parsed as YAML)."""
     out = json.loads(json.dumps(tree))
-    for item in overrides:
-        if "=" not in item:
-            raise ConfigError(f"override {item!r} is not of the form section.key=value")
-        key, raw = item.split("=", 1)
-        if not key:
-            raise ConfigError(f"override {item!r} has an empty key")
-        _set_dotted(out, key.strip(), yaml.safe_load(raw) if raw.strip() else "")
+    for i, item in enumerate(overrides, start=1):
+        _set_dotted(out, *_parse_override(item, i))
     return out
 
 
@@ -176,24 +213,42 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     if path is not None:
         tree, lines_of = read_yaml(Path(path))
     refuse_credentials(tree, places=lines_of)
-    for i, item in enumerate(overrides or [], start=1):
-        key = item.split("=", 1)[0].strip()
-        refuse_credentials(apply_overrides({}, [item]), places={key: f"override {i} ({key})"})
+    parsed = [_parse_override(item, i) for i, item in enumerate(overrides or [], start=1)]
+    for i, (key, value) in enumerate(parsed, start=1):
+        alone: dict[str, Any] = {}
+        _set_dotted(alone, key, value)
+        refuse_credentials(alone, places={key: f"override {i} ({key})"})
         lines_of[key] = f"override {i}"  # the value now comes from the override, not the file
-    return build_config(apply_overrides(tree, overrides or []), lines_of=lines_of)
+    for key, value in parsed:
+        _set_dotted(tree, key, value)
+    return build_config(tree, lines_of=lines_of)
 
 
-def refuse_flow_overrides(overrides: list[str]) -> None:
-    """ConfigError for an override that sets storage options: a command's overrides become the
-    parameters of its flow run, which Prefect stores, and storage options are never stored."""
+def refuse_flow_overrides(overrides: list[str], *, config_path: str | Path | None = None) -> None:
+    """ConfigError for a command's parameters that Prefect may not store: they become the parameters
+    of its flow run. Storage options are refused among the overrides, and the parameters pass the
+    scanner every record passes (`storage.credentials.check_record`)."""
+    from storage.credentials import CredentialInRecordError, check_record
+
+    tree: dict[str, Any] = {}
     for i, item in enumerate(overrides, start=1):
-        key = item.split("=", 1)[0].strip()
-        storage = apply_overrides({}, [item]).get("storage")
+        key, value = _parse_override(item, i)
+        alone: dict[str, Any] = {}
+        _set_dotted(alone, key, value)
+        storage = alone.get("storage")
         if isinstance(storage, dict) and "storage_options" in storage:
             raise ConfigError(
                 f"override {i} ({key}): storage options cannot be overrides of a run, whose overrides are "
                 "stored as its flow run's parameters; set them under storage.storage_options in the config file"
             )
+        _set_dotted(tree, key, value)
+    try:
+        check_record(
+            {"config_path": None if config_path is None else str(config_path), "overrides": tree},
+            record="the parameters of the flow run (Prefect stores them)",
+        )
+    except CredentialInRecordError as err:
+        raise ConfigError(str(err)) from None
 
 
 def parse_storage_options(text: str, *, source: str) -> dict[str, Any]:

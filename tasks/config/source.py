@@ -8,16 +8,26 @@ import inspect
 import re
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qsl, urlsplit
 
 import yaml
 
-__all__ = ["CREDENTIALS_GO", "ConfigError", "read_yaml", "refuse_credentials", "verifier_parameters", "where"]
+__all__ = [
+    "CREDENTIALS_GO",
+    "MAX_DEPTH",
+    "ConfigError",
+    "check_depth",
+    "parse_value",
+    "read_yaml",
+    "refuse_credentials",
+    "verifier_parameters",
+    "where",
+]
 
 # What every error about a credential in a config says to do instead.
 CREDENTIALS_GO = (
     "credentials never go in the run config or an override: put them in the environment "
-    "(AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, or the service's own variables) "
+    "(AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN for the store; MLFLOW_TRACKING_USERNAME "
+    "and MLFLOW_TRACKING_PASSWORD, or MLFLOW_TRACKING_TOKEN, for a tracking server; HF_TOKEN for the hub) "
     "or in a named profile of the AWS config files (storage.storage_options.profile)"
 )
 
@@ -26,9 +36,21 @@ class ConfigError(ValueError):
     """A run config that cannot be used; the message names each bad field and the fix."""
 
 
+# The deepest a config nests (its sections take 4 levels; free-form values a few more). Deeper input
+# is refused before anything recursive (YAML's composer, JSON, pydantic) walks it.
+MAX_DEPTH = 32
+
+
 def where(lines_of: dict[str, str], dotted: str) -> str:
     """file:line of `dotted` (or of the closest enclosing key) when it came from the YAML file or an
-    override; a key inside a list (`a.b[0].c`) falls back to the list's own key."""
+    override; a key inside a list (`a.b[0].c`) falls back to the list's own key. A mapping that
+    overrides added keys to names them too: its value is the file's merged with theirs."""
+    overridden = sorted(
+        {place for key, place in lines_of.items() if key.startswith(dotted + ".") and place.startswith("override")}
+    )
+    if overridden:
+        own = lines_of.get(dotted)
+        return ", ".join(([own] if own is not None and own not in overridden else []) + overridden)
     keys = dotted.split(".")
     for n in range(len(keys), 0, -1):
         prefix = ".".join(keys[:n])
@@ -38,25 +60,18 @@ def where(lines_of: dict[str, str], dotted: str) -> str:
     return ""
 
 
-# Names (as lower-case words joined by "_", however they were spelled) whose text values are
-# credentials wherever they appear; inside storage options and client kwargs also the short fsspec
-# names. A first filter over the whole tree, free-form sections included; storage options are
-# checked against an allow-list besides (tasks/config/operations.py).
-_CREDENTIAL_KEY = re.compile(
-    r"(^|_)(secrets?|password|passwd|passphrase|token|api_?key|access_?key(_id)?|private_?key|customer_?key"
-    r"|credentials?|signature|sig|authorization)$"
-)
-_CREDENTIAL_KEY_IN_OPTIONS = frozenset({"key", "secret", "token", "password"})
-_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
-_URL_WITH_PASSWORD = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://[^/@\s:]*:[^/@\s]+@")
+def _credential_problem(key: str, value: Any) -> str | None:
+    """Why `key: value` of a config may carry a credential (`storage.credentials`: a key named like
+    one holding text, a URL with a user, a query or a fragment, text shaped like a token), or None."""
+    from storage.credentials import credential_name, credential_text, url_problem
 
-
-def words(name: str) -> str:
-    """`name` as lower-case words joined by "_": secretAccessKey, secret-access-key, SSECustomerKey
-    and SECRET_ACCESS_KEY all read as one spelling."""
-    split = re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", name)
-    split = re.sub(r"([A-Z]+)([A-Z][a-z])", r"\1_\2", split)
-    return re.sub(r"[^a-z0-9]+", "_", split.lower()).strip("_")
+    if credential_name(key) and _holds_text(value):
+        return "looks like a credential"
+    if isinstance(value, str):
+        if "://" in value and (problem := url_problem(value, allowed_query=())) is not None:
+            return f"is a URL that {problem}"
+        return credential_text(value)
+    return None
 
 
 def _holds_text(value: Any) -> bool:
@@ -69,41 +84,80 @@ def _holds_text(value: Any) -> bool:
     return False
 
 
-def _url_problem(value: str) -> str | None:
-    """Why a URL value would carry a credential (a password, or one in its query or fragment), or None."""
-    if not _URL.match(value):
-        return None
-    if _URL_WITH_PASSWORD.match(value):
-        return "is a URL with a password"
-    parts = urlsplit(value)
-    for part in (parts.query, parts.fragment):
-        if any(_CREDENTIAL_KEY.search(words(name)) for name, _ in parse_qsl(part, keep_blank_values=True)):
-            return "is a URL whose query carries a credential"
-    return None
-
-
 def refuse_credentials(tree: Any, *, places: dict[str, str], key: str = "") -> None:
-    """ConfigError for a credential-looking value anywhere in `tree`; names the key and where it was
-    given (`places`: dotted key -> "file:line" or "override N"), never the value."""
+    """ConfigError for a credential-looking value anywhere in `tree` (the rules of
+    `storage.credentials`, with no query allowed in a URL); names the key and where it was given
+    (`places`: dotted key -> "file:line" or "override N"), never the value. A first filter, before
+    the fields' own allow-lists, so that no error about a value echoes a credential."""
     if isinstance(tree, dict):
         for k, v in tree.items():
             dotted = f"{key}.{k}" if key else str(k)
-            in_options = "storage_options" in key or "client_kwargs" in key
-            name = words(str(k))
-            named = _CREDENTIAL_KEY.search(name) or (in_options and name in _CREDENTIAL_KEY_IN_OPTIONS)
-            what = _url_problem(v) if isinstance(v, str) else None
-            if named and _holds_text(v):
-                what = "looks like a credential"
+            what = _credential_problem(str(k), v)
             if what is not None:
                 source = where(places, dotted) or "the config"
                 raise ConfigError(f"{source}: {dotted} {what}; {CREDENTIALS_GO}")
             refuse_credentials(v, places=places, key=dotted)
     elif isinstance(tree, list):
         for i, v in enumerate(tree):
-            if isinstance(v, str) and (what := _url_problem(v)) is not None:
+            if isinstance(v, str) and (what := _credential_problem("", v)) is not None:
                 source = where(places, key) or "the config"
                 raise ConfigError(f"{source}: {key}[{i}] {what}; {CREDENTIALS_GO}")
             refuse_credentials(v, places=places, key=f"{key}[{i}]")
+
+
+def _flow_depth(text: str) -> int:
+    """How deep `[`/`{` nest in YAML text, brackets inside quotes aside (one linear pass)."""
+    depth = deepest = 0
+    quote = ""
+    for ch in text:
+        if quote:
+            quote = "" if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in "]}":
+            depth = max(depth - 1, 0)
+    return deepest
+
+
+def _too_deep(source: str, at: str = "") -> ConfigError:
+    where_ = f" (at {at[:80]}{'...' if len(at) > 80 else ''})" if at else ""
+    return ConfigError(
+        f"{source}: nested deeper than {MAX_DEPTH} levels{where_}; a run config nests at most {MAX_DEPTH}"
+    )
+
+
+def check_depth(tree: Any, *, source: str, base: int = 0) -> None:
+    """ConfigError naming `source` (and the key where it happens) for a tree nested deeper than
+    MAX_DEPTH levels (`base`: the levels above it). Iterative: any depth is measured safely."""
+    stack: list[tuple[Any, int, str]] = [(tree, base, "")]
+    while stack:
+        node, depth, key = stack.pop()
+        if depth > MAX_DEPTH:
+            raise _too_deep(source, key)
+        if isinstance(node, dict):
+            stack += [(v, depth + 1, f"{key}.{k}" if key else str(k)) for k, v in node.items()]
+        elif isinstance(node, list):
+            stack += [(v, depth + 1, f"{key}[{i}]") for i, v in enumerate(node)]
+
+
+def parse_value(raw: str, *, source: str, depth: int = 0) -> Any:
+    """An override's value (YAML), refused with a ConfigError naming `source` when it is not YAML or
+    nests past MAX_DEPTH levels (with the `depth` of its key): before YAML's recursive parser
+    sees it, so no input makes it exceed Python's stack."""
+    if depth + _flow_depth(raw) > MAX_DEPTH:
+        raise _too_deep(source)
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError as err:
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise ConfigError(f"{source}: the value is not valid YAML ({problem})") from None
+    except RecursionError:  # block nesting by indentation, which _flow_depth does not see
+        raise _too_deep(source) from None
+    check_depth(value, source=source, base=depth)
+    return value
 
 
 def _key_lines(node: yaml.Node, path: str, prefix: str, out: dict[str, str]) -> None:
@@ -138,6 +192,8 @@ def read_yaml(path: Path) -> tuple[dict[str, Any], dict[str, str]]:
         ) from None
     except OSError as err:
         raise ConfigError(f"{path}: cannot be read ({err.strerror})") from None
+    if _flow_depth(text) > MAX_DEPTH:
+        raise _too_deep(str(path))
     try:
         loaded = yaml.safe_load(text)
         node = yaml.compose(text)
@@ -146,6 +202,9 @@ def read_yaml(path: Path) -> tuple[dict[str, Any], dict[str, str]]:
         line = f":{mark.line + 1}" if mark is not None else ""
         problem = getattr(err, "problem", None) or str(err)
         raise ConfigError(f"{path}{line}: not valid YAML ({problem})") from None
+    except RecursionError:  # block nesting by indentation
+        raise _too_deep(str(path)) from None
+    check_depth(loaded, source=str(path))
     if loaded is None:
         return {}, {}
     if not isinstance(loaded, dict):

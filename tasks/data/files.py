@@ -6,6 +6,7 @@ from __future__ import annotations
 import gzip
 import importlib.util
 import io
+import itertools
 import json
 from collections.abc import Iterator, Mapping
 from pathlib import Path, PurePosixPath
@@ -45,6 +46,27 @@ def file_name(url: str) -> str:
     return PurePosixPath(url.split("://", 1)[-1]).name
 
 
+class DuplicateKey(ValueError):
+    """A JSON object that gives one key twice (JSON keeps the last without a word)."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__(f"the key {key[:80]!r} is given twice in one object; keep one of them")
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise DuplicateKey(key)
+        out[key] = value
+    return out
+
+
+def load_json(text: str | bytes) -> Any:
+    """json.loads, refusing an object that gives a key twice (DuplicateKey) at any depth."""
+    return json.loads(text, object_pairs_hook=_unique_keys)
+
+
 def _not_utf8(byte: int, column: int) -> str:
     return f"not UTF-8 text (byte 0x{byte:02x} at byte {column} of the line); save the file as UTF-8"
 
@@ -61,9 +83,32 @@ def json_lines(data: bytes, name: str) -> Iterator[tuple[str, Any]]:
         if not line.strip():
             continue
         try:
-            yield f"{name}:{number}", json.loads(line)
+            yield f"{name}:{number}", load_json(line)
         except json.JSONDecodeError as exc:
             yield f"{name}:{number}", Malformed(f"not valid JSON ({exc.msg} at column {exc.colno})")
+        except DuplicateKey as exc:
+            yield f"{name}:{number}", Malformed(str(exc))
+
+
+def _duplicate_in_document(data: bytes, name: str) -> Iterator[tuple[str, Any]]:
+    """The items of a whole-file JSON document that gives a key twice somewhere, decoded one by one
+    so that each item that does is a Malformed record named by its number (the rest as read)."""
+    text = data.decode("utf-8")
+    checked, plain = json.JSONDecoder(object_pairs_hook=_unique_keys), json.JSONDecoder()
+    position = len(text) - len(text.lstrip())
+    in_list = text.startswith("[", position)
+    position += in_list
+    for k in itertools.count():
+        while in_list and text[position] in " \t\r\n,":
+            position += 1
+        if in_list and text[position] == "]" or not in_list and k == 1:
+            return
+        try:
+            item, position = checked.raw_decode(text, position)
+            yield f"{name}: item {k + 1}", item
+        except DuplicateKey as exc:
+            yield f"{name}: item {k + 1}", Malformed(str(exc))
+            _, position = plain.raw_decode(text, position)
 
 
 def not_utf8_error(data: bytes, name: str, err: UnicodeDecodeError) -> InvalidRowError:
@@ -105,11 +150,14 @@ def read_records(url: str, *, storage_options: Mapping[str, Any] | None = None) 
         yield from json_lines(data, name)
     elif stem.endswith(".json"):
         try:
-            value = json.loads(data)
+            value = load_json(data)
         except UnicodeDecodeError as err:
             raise not_utf8_error(data, name, err) from None
         except json.JSONDecodeError:
             yield from json_lines(data, name)
+            return
+        except DuplicateKey:
+            yield from _duplicate_in_document(data, name)
             return
         items = value if isinstance(value, list) else [value]
         for k, item in enumerate(items):
@@ -182,6 +230,6 @@ def read_prepared(url: str, *, storage_options: Mapping[str, Any] | None = None)
     rows = []
     for _, record in read_parsed_records(url, storage_options=storage_options):
         if isinstance(record.get("metadata"), str):
-            record["metadata"] = json.loads(record["metadata"])
+            record["metadata"] = load_json(record["metadata"])
         rows.append(record)
     return rows

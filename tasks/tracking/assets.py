@@ -77,12 +77,15 @@ def _log_policy(tracker: Any, run: Any, iteration: int, name: str, *, registered
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from storage.cache import pinned_cache
+    from storage.credentials import check_record
     from tasks.runtime import checkpoint_dir
 
     with pinned_cache():
         folder = checkpoint_dir(run, iteration, "policy")
         model = AutoModelForCausalLM.from_pretrained(str(folder))
         tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    metadata = {"sdpo.run_url": run.layout.run_url, "sdpo.iteration": iteration}
+    check_record({"name": registered_name, "metadata": metadata}, record=f"MLflow model {name}")
     mlflow.set_tracking_uri(tracker.uri)
     with mlflow.start_run(run_id=tracker.run_id):
         mlflow.transformers.log_model(
@@ -92,7 +95,7 @@ def _log_policy(tracker: Any, run: Any, iteration: int, name: str, *, registered
             # pinned here: MLflow's inference of the requirements imports optional packages (torchvision)
             pip_requirements=[f"torch=={torch.__version__.split('+')[0]}", f"transformers=={transformers.__version__}"],
             registered_model_name=registered_name,
-            metadata={"sdpo.run_url": run.layout.run_url, "sdpo.iteration": iteration},
+            metadata=metadata,
             step=iteration,  # the model's metrics: the run's at the step (iteration) that produced it
         )
     logger.info("logged the policy of iteration %d as MLflow model %r", iteration, name)

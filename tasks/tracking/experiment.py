@@ -25,6 +25,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+from storage.credentials import check_record
 from tasks.config import RunConfig, flatten, to_dict
 
 logger = logging.getLogger(__name__)
@@ -66,10 +67,21 @@ def source_tags() -> dict[str, str]:
     found = {
         MLFLOW_GIT_COMMIT: get_git_commit(str(_SOURCE)),
         MLFLOW_GIT_BRANCH: get_git_branch(str(_SOURCE)),
-        MLFLOW_GIT_REPO_URL: get_git_repo_url(str(_SOURCE)),
+        MLFLOW_GIT_REPO_URL: _without_credentials(get_git_repo_url(str(_SOURCE))),
     }
     tags.update({k: v for k, v in found.items() if v})
     return tags
+
+
+def _without_credentials(url: str | None) -> str | None:
+    """A git remote as a record may hold it: without the user (a token in `https://TOKEN@host/...`),
+    query or fragment."""
+    if url is None or "://" not in url:
+        return url
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    return urlunsplit((parts.scheme, parts.netloc.rpartition("@")[2], parts.path, "", ""))
 
 
 def samples_file(step: int) -> str:
@@ -114,6 +126,8 @@ def metric_names(metrics: dict[str, float], *, loss_type: str) -> dict[str, floa
 class Tracker:
     """Logs one SDPO run; resumes the same MLflow run when the SDPO run resumes."""
 
+    anchor: Any = None  # the run's RunAnchor, set by open_tracker
+
     def __init__(self, cfg: RunConfig, run_url: str, *, local_root_dir: Path | None) -> None:
         import mlflow
         from mlflow.tracking import MlflowClient
@@ -152,6 +166,7 @@ class Tracker:
             self.run_id = existing[0].info.run_id
             self.client.update_run(self.run_id, status="RUNNING")
         else:
+            check_record({RUN_URL_TAG: run_url}, record=f"the tags of the MLflow run of {cfg.name}")
             run = self.client.create_run(experiment_id, run_name=cfg.name, tags={RUN_URL_TAG: run_url})
             self.run_id = run.info.run_id
         # Idempotent: a kill between creating the run and logging its params is mended here.
@@ -171,6 +186,7 @@ class Tracker:
 
         if not self.enabled:
             return
+        check_record(params, record=f"the MLflow params of run {self.run_id}")
         have = self.client.get_run(self.run_id).data.params
         items = [Param(k, str(v)[:6000]) for k, v in params.items() if k not in have]
         for i in range(0, len(items), 100):
@@ -211,7 +227,7 @@ class Tracker:
 
         value = tables_tag(self.sample_files)
         if value != current:
-            self.client.set_tag(self.run_id, MLFLOW_LOGGED_ARTIFACTS, value)
+            self.set_tags({MLFLOW_LOGGED_ARTIFACTS: value})
 
     def published(self, step: int) -> bool:
         """Whether MLflow holds step `step`'s metrics and, for an iteration (step > 0), its sample table.
@@ -258,9 +274,9 @@ class Tracker:
         recorded = int(self.client.get_run(self.run_id).data.tags.get(CHANGES_TAG, "0"))
         for i, change in enumerate(changes[recorded:], start=recorded + 1):
             diff = "; ".join(f"{d['key']}: {d['old']!r} -> {d['new']!r}" for d in change["diff"])
-            self.client.set_tag(self.run_id, f"sdpo.config_change.{i}", f"{change['changed_at']}: {diff}"[:5000])
+            self.set_tags({f"sdpo.config_change.{i}": f"{change['changed_at']}: {diff}"[:5000]})
             self.log_params({d["key"]: d["new"] for d in change["diff"]})
-            self.client.set_tag(self.run_id, CHANGES_TAG, str(i))
+            self.set_tags({CHANGES_TAG: str(i)})
 
     def record_fork(self, fork: dict[str, Any]) -> None:
         """Tag a forked run with its parent and the iteration it started from; when the parent's MLflow
@@ -291,14 +307,23 @@ class Tracker:
         self.set_tags(tags)
 
     def set_tags(self, tags: dict[str, str]) -> None:
+        """Set the run's tags, once the scanner passes them (`storage.credentials.check_record`)."""
         if not self.enabled:
             return
-        for key, value in tags.items():
-            self.client.set_tag(self.run_id, key, value)
+        from mlflow.entities import RunTag
+
+        check_record(tags, record=f"the MLflow tags of run {self.run_id}")
+        items = [RunTag(key, value) for key, value in tags.items()]
+        for i in range(0, len(items), 100):  # MLflow's limit on tags per batch
+            self.client.log_batch(self.run_id, tags=items[i : i + 100])
 
     def log_artifact(self, path: Path, artifact_path: str | None = None) -> None:
+        """Log a file of the run's records (a JSON or text file is scanned first; a plot is not text)."""
         if not self.enabled:
             return
+        if path.suffix in (".json", ".txt", ".md", ".yaml"):
+            text = path.read_text()
+            check_record(json.loads(text) if path.suffix == ".json" else text, record=f"MLflow artifact {path.name}")
         self.client.log_artifact(self.run_id, str(path), artifact_path)
 
     @contextlib.contextmanager
@@ -326,14 +351,18 @@ class Tracker:
 
 def open_tracker(run: Any) -> Tracker:
     """The MLflow run of SDPO run `run` (created or resumed), with its accepted config changes and,
-    for a fork, its parent tagged."""
+    for a fork, its parent tagged; the store checked against the digests it recorded
+    (`tasks.tracking.anchor`), whose `tracker.anchor` records those of what the run commits next."""
     from storage.fork import read_fork
     from storage.layout import read_config_changes
+    from tasks.tracking.anchor import RunAnchor
     from tasks.tracking.assets import log_datasets
 
     layout = run.layout
     local_root = Path(layout.store.path(layout.root_url)) if layout.store.backend == "file" else None
     tracker = Tracker(run.cfg, layout.run_url, local_root_dir=local_root)
+    tracker.anchor = RunAnchor(tracker, layout)
+    tracker.anchor.open()  # the store checked against the digests recorded when it was committed
     tracker.record_config_changes(read_config_changes(run.layout))
     log_datasets(tracker, run)
     fork = read_fork(layout)

@@ -128,8 +128,8 @@ def leftovers(*folders: Path) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory, prefect_server: str) -> dict:
-    """The uninterrupted run: one `sdpo run` process."""
+def reference_run(tmp_path_factory: pytest.TempPathFactory, prefect_server: str) -> tuple[dict, Path]:
+    """The uninterrupted run: one `sdpo run` process; its fingerprint and its root."""
     from storage.layout import RunLayout
 
     tmp = tmp_path_factory.mktemp("reference")
@@ -137,13 +137,29 @@ def reference(tmp_path_factory: pytest.TempPathFactory, prefect_server: str) -> 
     done = sdpo(["run", str(config)], run_env(prefect_server))
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     assert mlflow_steps(tmp / "mlflow.db") == EXPECTED_STEPS
-    return fingerprint(RunLayout(str(tmp / "runs"), NAME))
+    return fingerprint(RunLayout(str(tmp / "runs"), NAME)), tmp / "runs"
+
+
+@pytest.fixture(scope="module")
+def reference(reference_run: tuple[dict, Path]) -> dict:
+    return reference_run[0]
+
+
+def assert_compares_identical(env: dict[str, str], root: Path, reference_root: Path) -> None:
+    """`sdpo verify --compare` both ways between the run under `root` and the uninterrupted one: exit 0,
+    "identical" (the same files but for their wall-clock fields); how each run went is only a note."""
+    for here, there in ((root, reference_root), (reference_root, root)):
+        args = ["verify", NAME, "--root", str(here), "--compare", NAME, "--compare-root", str(there)]
+        compared = sdpo(args, env)
+        assert compared.returncode == 0, compared.stdout[-3000:] + compared.stderr[-3000:]
+        assert f"OK: the same files as {NAME}" in compared.stdout
 
 
 @pytest.mark.parametrize("chain", list(CHAINS), ids=list(CHAINS))
-def test_killed_at_every_point_resumes_bit_identical(tmp_path, prefect_server, reference, chain):
+def test_killed_at_every_point_resumes_bit_identical(tmp_path, prefect_server, reference_run, chain):
     from storage.layout import RunLayout
 
+    reference, reference_root = reference_run
     config = write_config(tmp_path, NAME, base=CONFIG)
     crash_and_resume(config, run_env(prefect_server), CHAINS[chain])
     resumed = fingerprint(RunLayout(str(tmp_path / "runs"), NAME))
@@ -151,9 +167,10 @@ def test_killed_at_every_point_resumes_bit_identical(tmp_path, prefect_server, r
     assert resumed["final_policy"] == reference["final_policy"]
     assert mlflow_steps(tmp_path / "mlflow.db") == EXPECTED_STEPS
     assert leftovers(tmp_path / "runs", tmp_path / "cache") == []
+    assert_compares_identical(run_env(prefect_server), tmp_path / "runs", reference_root)
 
 
-def test_one_process_per_iteration_ends_bit_identical(tmp_path, prefect_server, reference):
+def test_one_process_per_iteration_ends_bit_identical(tmp_path, prefect_server, reference_run):
     """`sdpo advance` (the scheduled deployment's flow), a new process for each iteration, killed once."""
     from storage.layout import RunLayout
 
@@ -166,8 +183,9 @@ def test_one_process_per_iteration_ends_bit_identical(tmp_path, prefect_server, 
         done = sdpo(["advance", str(config)], env)
         assert done.returncode == 0 and expected in done.stdout, done.stdout[-2000:] + done.stderr[-4000:]
     advanced = fingerprint(RunLayout(str(tmp_path / "runs"), NAME))
-    assert differences(reference, advanced) == []
+    assert differences(reference_run[0], advanced) == []
     assert mlflow_steps(tmp_path / "mlflow.db") == EXPECTED_STEPS
+    assert_compares_identical(env, tmp_path / "runs", reference_run[1])  # summary.base was empty
 
 
 def test_killed_runs_on_s3_resume_bit_identical(tmp_path, prefect_server, reference, s3_server):

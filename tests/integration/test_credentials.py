@@ -32,6 +32,16 @@ SPELLED = {
     "list-nested": f"storage.storage_options.config_kwargs.proxies_config=[{{auth: [{SECRET}]}}]",
     "SSE-C customer key": f"storage.storage_options.s3_additional_kwargs={{SSECustomerKey: {SECRET}}}",
     "token in the endpoint's query": f"storage.storage_options.endpoint_url='https://s3.example.com/?X-Amz-Security-Token={SECRET}'",
+    # accepted and stored before the config's fields became allow-lists
+    "tracking.uri ?key=": f"tracking.uri=https://mlflow.example/?key={SECRET}",
+    "tracking.uri ?auth=": f"tracking.uri=https://mlflow.example/?auth={SECRET}",
+    "tracking.uri TOKEN@host": f"tracking.uri=http://{SECRET}@mlflow.example",
+    "tracking.ui_url ?pwd=": f"tracking.ui_url=http://127.0.0.1:5000/?pwd={SECRET}",
+    **{
+        f"{section} {key}": f"{section}.{key}={SECRET}"
+        for section in ("model.chat_template_kwargs", "teacher.feedback_kwargs")
+        for key in ("KEY", "auth", "pwd", "AWS_SECRET_ACCESS", "secret_acces_key", "ѕecret", "ＳＥＣＲＥＴ")
+    },
 }
 
 

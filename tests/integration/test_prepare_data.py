@@ -7,6 +7,7 @@ import gzip
 import json
 import os
 import pickle
+import re
 import shutil
 import sys
 import types
@@ -16,6 +17,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from sdpo_core.verifiers import code, mcq, tooluse
 from sdpo_core.verifiers import math as math_verifier
@@ -100,6 +103,47 @@ def test_a_byte_that_is_not_utf8_names_the_file_and_line(tmp_path, suffix):
         stats = prepare("gsm8k", input=str(source), output=str(out), skip_invalid=True)
         assert (stats["skipped"], stats["rows_written"]) == (1, 3)
         assert stats["skipped_examples"][0].startswith("bad.jsonl:3: not UTF-8")
+
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=5),
+    lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=4), children, max_size=3),
+    max_leaves=8,
+)
+
+
+def _with_a_key_twice(value: object, path: list[int], key: str) -> str:
+    """`value` as JSON text, with the object at `path` (indices into the nested objects) giving `key` twice."""
+    if path and isinstance(value, dict) and value:
+        items = list(value.items())
+        i = path[0] % len(items)
+        parts = [
+            json.dumps(k) + ": " + (_with_a_key_twice(v, path[1:], key) if j == i else json.dumps(v))
+            for j, (k, v) in enumerate(items)
+        ]
+        return "{" + ", ".join(parts) + "}"
+    return "{" + f"{json.dumps(key)}: 1, {json.dumps(key)}: {json.dumps(value)}" + "}"
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    row=st.dictionaries(st.sampled_from(["question", "answer", "meta"]), JSON_VALUES, min_size=1),
+    path=st.lists(st.integers(min_value=0, max_value=5), max_size=3),
+    key=st.text(min_size=1, max_size=6),
+    line=st.integers(min_value=1, max_value=4),
+    suffix=st.sampled_from([".jsonl", ".json", ".jsonl.gz"]),
+)
+def test_a_key_given_twice_in_a_row_is_refused_naming_the_row(tmp_path, row, path, key, line, suffix):
+    """JSON keeps the last of two equal keys without a word; a data row that says two things is refused
+    with its file and line (or item), at any depth, in every JSON format read."""
+    good = [json.dumps({"question": f"{k} + 2?", "answer": f"#### {k + 2}"}) for k in range(4)]
+    lines = [*good[: line - 1], _with_a_key_twice(row, path, key), *good[line - 1 :]]
+    text = "\n".join(lines) + "\n" if suffix != ".json" else "[" + ",\n".join(lines) + "]"
+    source = tmp_path / f"dup{suffix}"
+    source.write_bytes(gzip.compress(text.encode()) if suffix.endswith(".gz") else text.encode())
+    where = f"dup{suffix}:{line}" if suffix != ".json" else f"dup.json: item {line}"
+    with pytest.raises(InvalidRowError, match=rf"^{re.escape(where)}: the key .* is given twice in one object"):
+        read_prepared(str(source))
 
 
 def test_skip_invalid_counts_the_bad_rows(tmp_path):

@@ -158,7 +158,7 @@ def test_two_uninterrupted_runs_commit_the_same_bytes(tmp_path, prefect_server):
     assert any(p.endswith("/.metadata") for p in data) and any(p.endswith(".parquet") for p in data)
     assert {p: (a[p], b[p]) for p in data if a[p] != b[p]} == {}
     root = str(tmp_path / "runs")
-    assert compare_runs(RunLayout(root, "twin-a"), RunLayout(root, "twin-b")) == []
+    assert compare_runs(RunLayout(root, "twin-a"), RunLayout(root, "twin-b")).differences == []
     compared = _sdpo(["verify", "twin-a", "--root", root, "--compare", "twin-b"], env)
     assert compared.returncode == 0 and "OK: the same files as twin-b" in compared.stdout, compared.stderr
 
@@ -169,7 +169,7 @@ def test_two_uninterrupted_runs_commit_the_same_bytes(tmp_path, prefect_server):
     record["metrics"]["rollout/reward_mean"] += 0.5
     record["metrics"]["rollout/seconds"] += 0.5
     manifest.write_text(json.dumps(record))
-    differences = compare_runs(RunLayout(root, "twin-a"), RunLayout(root, "twin-b"))
+    differences = compare_runs(RunLayout(root, "twin-a"), RunLayout(root, "twin-b")).differences
     assert [d.split(":")[0] for d in differences] == ["iter-1/teacher/part-00000.parquet", "iter-2/_manifest.json"]
     assert "metrics.rollout/reward_mean" in differences[1]
     assert _sdpo(["verify", "twin-a", "--root", root, "--compare", "twin-b"], env).returncode == 1

@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from tasks.config import ConfigError, load_config
 
@@ -160,3 +162,133 @@ def test_a_credential_never_appears_in_an_error_about_another_field(tmp_path):
     with pytest.raises(ConfigError) as err:  # an unknown key's value is not echoed either
         load_config(None, [f"storage.endpoint={SECRET}"])
     assert SECRET not in str(err.value) and "storage.endpoint: unknown key" in str(err.value)
+
+
+# -- bad inputs refused with a clear error before anything is written ---------------------------
+NESTINGS = {
+    "a dotted key": lambda d: "model.chat_template_kwargs." + ".".join(["a"] * d) + "=1",
+    "a flow list": lambda d: "model.chat_template_kwargs.x=" + "[" * d + "]" * d,
+    "a flow mapping": lambda d: "model.chat_template_kwargs.x=" + "{a: " * d + "1" + "}" * d,
+    "a block mapping": lambda d: "model.chat_template_kwargs.x=" + "".join(f"\n{' ' * i}a:" for i in range(d)) + " 1",
+}
+
+
+@settings(max_examples=60, deadline=None)
+@given(kind=st.sampled_from(sorted(NESTINGS)), depth=st.integers(min_value=40, max_value=6000))
+@example(kind="a dotted key", depth=900)
+@example(kind="a flow list", depth=5000)
+@example(kind="a flow mapping", depth=900)
+def test_an_override_nested_past_any_config_is_refused_by_name(kind, depth):
+    """900 or 5,000 levels used to end in a RecursionError traceback (YAML, JSON or pydantic)."""
+    override = NESTINGS[kind](depth)
+    source = r"^override 1 \(model\.chat_template_kwargs\.[a.x]{1,80}\): "
+    with pytest.raises(ConfigError, match=source + r"(nested deeper than 32 levels|a key of \d+ levels).*at most 32$"):
+        load_config(None, [override])
+
+
+@settings(max_examples=20, deadline=None)
+@given(depth=st.integers(min_value=40, max_value=3000), flow=st.booleans())
+def test_a_file_nested_past_any_config_is_refused_by_name(tmp_path_factory, depth, flow):
+    if flow:
+        text = "model:\n  chat_template_kwargs:\n    x: " + "[" * depth + "]" * depth + "\n"
+    else:
+        text = "model:\n  chat_template_kwargs:\n" + "".join(" " * (i + 4) + "a:\n" for i in range(depth)) + "  b: 1\n"
+    path = write(tmp_path_factory.mktemp("deep"), text)
+    with pytest.raises(ConfigError, match=rf"^{path}.*nested deeper than 32 levels"):
+        load_config(path)
+
+
+def test_a_bad_yaml_value_in_an_override_names_it():
+    with pytest.raises(ConfigError, match=r"^override 2 \(seed\): the value is not valid YAML"):
+        load_config(None, ["iterations=2", "seed=["])
+
+
+RUN_NAME = st.text(alphabet=st.sampled_from("abcXYZ019._-"), min_size=1, max_size=300)
+
+
+@settings(max_examples=80, deadline=None)
+@given(name=RUN_NAME)
+@example(name="a" * 300)
+@example(name="a" * 128)
+@example(name="mlflow.db")
+@example(name="mlartifacts")
+def test_a_run_name_that_validates_makes_a_run(tmp_path_factory, name):
+    """Every name `sdpo validate` accepts names a run folder, a layout and a test-time run's children;
+    any other is refused by the config, naming the field (a 300-character name used to pass and then
+    fail the run with a traceback)."""
+    from storage.layout import RunLayout, create_or_open_run
+    from tasks.test_time import attack_name
+
+    try:
+        cfg = load_config(None, [f"name={name}"])
+    except ConfigError as err:
+        assert "override 1: name: " in str(err)
+        return
+    root = tmp_path_factory.mktemp("names")
+    layout = RunLayout(str(root), cfg.name)
+    create_or_open_run(layout, {"name": cfg.name})
+    assert (root / cfg.name / "run.json").is_file()
+    assert cfg.name not in ("mlflow.db", "mlartifacts")
+    children = {
+        attack_name(cfg.name, question, seed) for question in ("q" * 200, "q" * 199, "x/1") for seed in (0, 10**30)
+    }
+    assert len(children) == 6 and all(RunLayout(str(root), child).run_name == child for child in children)
+
+
+FEEDBACK_KEYS = st.text(alphabet=st.sampled_from("abcdefgKEYauthpwd_ѕＳ"), min_size=1, max_size=30)
+
+
+@settings(max_examples=80, deadline=None)
+@given(feedback=st.sampled_from(["opd", "sdpo", "sdpo_relax"]), key=FEEDBACK_KEYS)
+@example(feedback="sdpo", key="success_reward_threshold")
+def test_feedback_kwargs_the_class_does_not_take_are_refused_while_loading(tmp_path_factory, feedback, key):
+    """They used to pass `sdpo validate`; the run then created its folder, stored them and failed in
+    the teacher stage with a TypeError."""
+    from sdpo_core.feedback import feedback_class, feedback_parameters
+
+    path = write(
+        tmp_path_factory.mktemp("feedback"),
+        f"name: x\nloss:\n  type: sdpo\nteacher:\n  feedback: {feedback}\n  feedback_kwargs:\n    {key}: 1\n",
+    )
+    known = key in feedback_parameters(feedback_class(feedback))
+    if known:
+        return
+    with pytest.raises(ConfigError, match=rf"{path}:6: teacher.feedback_kwargs: \[.*\] are not parameters of"):
+        load_config(path, ["rollout.group_size=2"] if feedback != "opd" else [])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ("{success_threshold: high}", r"success_threshold='high': Input should be a valid number"),
+        ("{solution_template: 'no placeholder'}", r"solution_template .*missing placeholders"),
+        ("{demo_overflow: drop}", r"demo_overflow='drop'"),
+        ("{max_demo_chars: 0}", r"max_demo_chars must be >= 1"),
+    ],
+)
+def test_feedback_kwargs_are_typed_and_checked_by_the_class_while_loading(tmp_path, kwargs, message):
+    path = write(tmp_path, f"teacher:\n  feedback_kwargs: {kwargs}\n")
+    with pytest.raises(ConfigError, match=rf"{path}:2: teacher.feedback_kwargs: .*{message}"):
+        load_config(path)
+
+
+def test_a_feedback_class_that_does_not_resolve_is_refused_while_loading():
+    with pytest.raises(ConfigError, match=r"override 1: teacher.feedback: unknown feedback policy 'sdpo2'"):
+        load_config(None, ["teacher.feedback=sdpo2"])
+    with pytest.raises(ConfigError, match=r"teacher.feedback: 'os:path' resolves to .* not a FeedbackPolicy"):
+        load_config(None, ["teacher.feedback=os:path"])
+
+
+@settings(max_examples=40, deadline=None)
+@given(line=st.integers(min_value=4, max_value=40), bad=st.sampled_from(["memory=512", "nproc=1", "nproc=2.5"]))
+def test_an_error_in_verifier_kwargs_names_the_override_that_set_it(tmp_path_factory, line, bad):
+    """The mapping came from the file (line `line`) merged with the override: both are named; the
+    error used to name the file's line alone."""
+    path = write(
+        tmp_path_factory.mktemp("place"),
+        "name: x\n" + "\n" * (line - 4) + "verifier:\n  name: code\n  kwargs: {per_test_s: 2.0}\n",
+    )
+    with pytest.raises(ConfigError, match=rf"  {path}:{line}, override 2: verifier.kwargs: "):
+        load_config(path, ["seed=1", f"verifier.kwargs.{bad}"])
+    with pytest.raises(ConfigError, match=r"  override 1: verifier.kwargs: "):  # the whole mapping overridden
+        load_config(path, [f"verifier.kwargs={{{bad.replace('=', ': ')}}}"])

@@ -72,9 +72,15 @@ def test_a_manifest_records_the_digest_of_its_content_and_reads_check_it(layout:
         read_manifest(layout, url)
 
 
-def test_a_manifest_of_version_1_predates_the_content_digest(layout: RunLayout) -> None:
+def test_a_manifest_of_version_1_passes_only_in_a_run_created_before_the_content_digest(layout: RunLayout) -> None:
+    """A run created since every manifest records its content digest (run.json's layout version 2)
+    holds no version-1 manifest: one is an edit (the digest removed, the version set back)."""
     url = layout.stage_manifest(1, "teacher")
     layout.store.write_bytes(url, json.dumps({"manifest_version": 1, "kind": "stage", "files": []}).encode())
+    with pytest.raises(CorruptManifestError, match="has no content_sha256 .*a run created since holds no other"):
+        read_manifest(layout, url)
+    record = json.loads(layout.store.read_bytes(layout.run_json))
+    layout.store.write_bytes(layout.run_json, json.dumps({**record, "layout_version": 1}).encode())
     assert read_manifest(layout, url)["files"] == []
 
 
