@@ -4,9 +4,11 @@ writes its checkpoints and commits.
     rollout(n) -> teacher(n) -> [iteration n-1 done: its eval when due, MLflow, artifacts] -> train(n) ~~> commit(n)
                                                                         (beside rollout(n+1), teacher(n+1))
 
-The train and commit task runs of iteration n are submitted to the flow's task runner; the train
-stage hands its weights to the next stages of this process (`tasks.handover`) once the optimizer
-has stepped, and goes on writing while the flow starts iteration n+1. Iteration n is completed
+Iteration n's train and commit task runs go, in that order, to a thread of the flow (with the flow
+run's context, so they are task runs of the flow run like the others), each manifest recorded in
+the run's tracking record as it returns, as the sequential loop records them. The train stage
+hands its weights to the next stages of this process (`tasks.handover`) once the optimizer has
+stepped, and goes on writing while the flow starts iteration n+1. Iteration n is completed
 (evaluated when due, logged, published) once its commit is done, before iteration n+1 trains.
 What every stage commits is what the sequential loop commits, byte for byte: the next stages wait
 for commit(n) before their own manifests, and train(n+1) starts after it.
@@ -19,7 +21,10 @@ trains and commits before the run ends.
 
 from __future__ import annotations
 
+import contextvars
 import logging
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from flows.iteration import complete_iteration
@@ -34,25 +39,6 @@ def overlap_enabled(cfg: Any) -> bool:
     return bool(cfg.launch.overlap_commits) and launchers == {"inprocess"} and cfg.pipeline.max_staleness == 0
 
 
-def _settle_on_failure(slot: handover.Slot, trained: Any) -> Any:
-    """A done-callback for the commit future of the slot's iteration: when the train stage or the
-    commit did not complete, the slot's waiters (the next iteration's stages) get what stopped it."""
-
-    def callback(committed: Any) -> None:
-        for future in (trained, committed):  # the train stage's own failure first: the cause
-            state = future.state
-            if state.is_failed():
-                error = state.result(raise_on_failure=False)
-                if isinstance(error, BaseException):
-                    slot.fail(error)
-                    return
-            if not state.is_completed():
-                slot.fail(RuntimeError(f"iteration {slot.iteration} did not commit: {state.name} ({state.message})"))
-                return
-
-    return callback
-
-
 class CommitOverlap:
     """Brings a run's iterations to done in order, each one's train stage and commit running while
     the next one samples and scores. A context manager: leaving it waits for the commit in flight
@@ -62,18 +48,23 @@ class CommitOverlap:
         self.run = run
         self.tracker = tracker
         self.enabled = overlap_enabled(run.cfg)
-        self.pending: tuple[int, Any] | None = None  # (iteration, its commit's future)
+        self.pending: tuple[int, Future[Any]] | None = None  # (iteration, its commit's future)
+        self.thread = ThreadPoolExecutor(1, "train-and-commit")
 
     def __enter__(self) -> CommitOverlap:
         return self
 
-    def __exit__(self, exc_type: object, *exc: object) -> None:
-        if self.pending is None:
-            return
-        n, future = self.pending
-        self.pending = None
-        future.wait()  # whatever happened here, the commit in flight ends before the flow does
-        handover.close(self.run.url, n)
+    def __exit__(self, *exc: object) -> None:
+        if self.pending is not None:
+            n, future = self.pending
+            self.pending = None
+            future.exception()  # whatever happened here, the commit in flight ends before the flow does
+            handover.close(self.run.url, n)
+        self.thread.shutdown(wait=True)
+
+    def _record(self, manifest: dict[str, Any]) -> dict[str, Any]:
+        self.tracker.anchor.record(manifest)
+        return manifest
 
     def advance(self, n: int, prefetch: Any = None) -> list[tuple[int, dict[str, float]]]:
         """Take the run through iteration n; returns the iterations completed by this call, in
@@ -87,18 +78,20 @@ class CommitOverlap:
             return [*self.drain(), (n, complete_iteration(self.run, self.tracker, n)[0])]
         root, name = layout.root_url, layout.run_name
         launch = cfg.launch.model_dump(mode="json")
-        rollout = stages.rollout(root, name, n, launch["rollout"])
-        teacher = stages.teacher(root, name, n, rollout, launch["teacher"])
+        rollout = self._record(stages.rollout(root, name, n, launch["rollout"]))
+        teacher = self._record(stages.teacher(root, name, n, rollout, launch["teacher"]))
         done = self.drain()  # iteration n-1 committed while n sampled and scored
+
+        def train_and_commit() -> dict[str, Any]:
+            trained = self._record(stages.train(root, name, n, teacher, launch["train"]))
+            return self._record(stages.commit(root, name, n, [rollout, teacher, trained]))
+
         if n == cfg.iterations:  # nothing follows to overlap with
-            trained = stages.train(root, name, n, teacher, launch["train"])
-            stages.commit(root, name, n, [rollout, teacher, trained])
+            train_and_commit()
             return [*done, (n, complete_iteration(self.run, self.tracker, n, trained=True)[0])]
         slot = handover.open_slot(self.run.url, n)
-        trained = stages.train.submit(root, name, n, teacher, launch["train"])
-        committed = stages.commit.submit(root, name, n, [rollout, teacher, trained])
-        committed.add_done_callback(_settle_on_failure(slot, trained))
-        self.pending = (n, committed)
+        # the flow run's context goes with the task runs to the thread
+        self.pending = (n, self.thread.submit(contextvars.copy_context().run, _failing_slot(slot, train_and_commit)))
         return done
 
     def drain(self) -> list[tuple[int, dict[str, float]]]:
@@ -113,3 +106,16 @@ class CommitOverlap:
         finally:
             handover.close(self.run.url, n)
         return [(n, complete_iteration(self.run, self.tracker, n, trained=True)[0])]
+
+
+def _failing_slot(slot: handover.Slot, body: Callable[[], dict[str, Any]]) -> Callable[[], dict[str, Any]]:
+    """`body`, whose failure also reaches the slot's waiters (the next iteration's stages), then is raised."""
+
+    def run() -> dict[str, Any]:
+        try:
+            return body()
+        except BaseException as error:  # noqa: BLE001 -- handed to the waiting stages, then raised again
+            slot.fail(error)
+            raise
+
+    return run

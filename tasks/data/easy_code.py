@@ -6,9 +6,9 @@ of vowels (a, e, i, o, u) in s. Put the code in a ```python block.", and five ca
 whose return values the code verifier compares (`sdpo_core.verifiers.code`, test type
 `functional`), so a wrong answer's feedback shows an input, the output and the expected value.
 
-Families range from one-liners SmolLM2-135M-Instruct writes correctly at T = 0 (reverse a string)
-to ones it never does (count the vowels, sort in descending order); at T = 1 it passes about 10 %
-of them (16 of 160 samples over 80 tasks, docs/results.md). Pure and deterministic for a seed; no
+Ten families, from one-liners SmolLM2-135M-Instruct writes correctly at T = 0 (reverse a string)
+to ones it never does (count the vowels, sort in descending order): it passes half of them
+greedily and about 10 % of its samples at T = 1 (docs/results.md §5.5). Pure and deterministic for a seed; no
 I/O. A question is a (family, parameter, name) triple: its tests are drawn from a generator seeded
 by the question, so both splits hold the same tests for it whatever the split seed.
 """
@@ -47,33 +47,31 @@ class Family:
 
 
 FAMILIES: dict[str, Family] = {
-    "reverse": Family(("reverse_string", "reversed_text"), "s", "returns the string s reversed",
+    "reverse": Family(("reverse_string", "reversed_text", "backwards"), "s", "returns the string s reversed",
                       lambda k, s: s[::-1], lambda r: r.choice(WORDS)),
-    "vowels": Family(("count_vowels", "vowel_count"), "s", "returns the number of vowels (a, e, i, o, u) in s",
+    "vowels": Family(("count_vowels", "vowel_count", "number_of_vowels"), "s",
+                     "returns the number of vowels (a, e, i, o, u) in s",
                      lambda k, s: sum(c in "aeiou" for c in s), lambda r: r.choice(WORDS)),
-    "sum_even": Family(("sum_even", "even_total"), "xs", "returns the sum of the even numbers in the list xs",
+    "sum_even": Family(("sum_even", "even_total", "add_evens"), "xs", "returns the sum of the even numbers in the list xs",
                        lambda k, xs: sum(x for x in xs if x % 2 == 0), _ints),
-    "sort_desc": Family(("sort_desc", "descending"), "xs", "returns the list xs sorted from largest to smallest",
+    "sort_desc": Family(("sort_desc", "descending", "largest_first"), "xs",
+                        "returns the list xs sorted from largest to smallest",
                         lambda k, xs: sorted(xs, reverse=True), _ints),
-    "last": Family(("last_item", "final_element"), "xs", "returns the last element of the list xs",
+    "last": Family(("last_item", "final_element", "get_last"), "xs", "returns the last element of the list xs",
                    lambda k, xs: xs[-1], _ints),
-    "count_above": Family(("count_above_{k}", "how_many_over_{k}"), "xs",
+    "count_above": Family(("count_above_{k}", "how_many_over_{k}", "greater_than_{k}"), "xs",
                           "returns how many numbers in the list xs are greater than {k}",
                           lambda k, xs: sum(x > k for x in xs), _ints, tuple(range(2, 8))),
-    "capitalise": Family(("first_upper", "capitalise_first"), "s",
+    "capitalise": Family(("first_upper", "capitalise_first", "upper_initial"), "s",
                          "returns s with its first letter in upper case and the rest unchanged",
                          lambda k, s: s[:1].upper() + s[1:], lambda r: r.choice(WORDS).lower()),
-    "repeat": Family(("repeat_{k}", "times_{k}"), "s", "returns the string s repeated {k} times",
+    "repeat": Family(("repeat_{k}", "times_{k}", "copies_{k}"), "s", "returns the string s repeated {k} times",
                      lambda k, s: s * k, lambda r: r.choice(WORDS), tuple(range(2, 6))),
-    "spread": Family(("max_minus_min", "value_range"), "xs",
+    "spread": Family(("max_minus_min", "value_range", "spread"), "xs",
                      "returns the largest number in the list xs minus the smallest",
                      lambda k, xs: max(xs) - min(xs), _ints),
-    "halve": Family(("halve", "half_down"), "x", "returns x divided by 2, rounded down to an integer",
+    "halve": Family(("halve", "half_down", "floor_half"), "x", "returns x divided by 2, rounded down to an integer",
                     lambda k, x: x // 2, lambda r: r.randint(-50, 50)),
-    "add": Family(("add_{k}", "plus_{k}"), "x", "returns x plus {k}",
-                  lambda k, x: x + k, lambda r: r.randint(-50, 50), tuple(range(2, 10))),
-    "multiply": Family(("times_by_{k}", "multiply_{k}"), "x", "returns x multiplied by {k}",
-                       lambda k, x: x * k, lambda r: r.randint(-50, 50), tuple(range(2, 10))),
 }  # fmt: skip
 
 

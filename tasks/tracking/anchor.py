@@ -15,6 +15,7 @@ manifest (`storage.anchor`).
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -34,6 +35,9 @@ class RunAnchor:
 
     def __init__(self, tracker: Any, layout: Any) -> None:
         self.tracker, self.layout = tracker, layout
+        # pipelined commits record the train stage and the commit from a thread of the flow while
+        # the flow records the next iteration's stages: one write to the tracking store at a time
+        self._lock = threading.Lock()
 
     @property
     def enabled(self) -> bool:
@@ -58,8 +62,9 @@ class RunAnchor:
         """Record a committed manifest ({path, sha256}, as a stage hands it to the flow)."""
         if not self.enabled:
             return
-        self.tracker.set_tags({TAG + ref["path"]: ref["sha256"]})
-        anchor.remember(self.layout.run_url, ref["path"], ref["sha256"])
+        with self._lock:
+            self.tracker.set_tags({TAG + ref["path"]: ref["sha256"]})
+            anchor.remember(self.layout.run_url, ref["path"], ref["sha256"])
 
     def computing(self, path: str) -> None:
         """The manifest at `path` is absent and about to be computed again: its old digest no longer holds."""
