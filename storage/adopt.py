@@ -50,7 +50,7 @@ def adopt_latest(layout: RunLayout) -> int | None:
     With the signing key set, a failure names the first manifest whose signature does not check out
     (an edit of a committed stage shows first in the iteration manifests that cover it)."""
     from storage.anchor import signing_key
-    from storage.anchored import departures
+    from storage.departures import departures
 
     try:
         return verify_latest(layout)

@@ -32,9 +32,9 @@ from pathlib import Path
 
 from storage.checkpoints import checkpoint_iteration, resolve_checkpoint
 from storage.errors import ChecksumMismatchError
+from storage.hashing import sha256_local_file
 from storage.layout import RunLayout
 from storage.manifest import Manifest
-from storage.objects import sha256_local_file
 from storage.retention import check_not_pruned
 from storage.scratch import owner_tag
 

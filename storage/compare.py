@@ -32,9 +32,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from storage.anchor import SIGNATURE
+from storage.hashing import sha256_bytes
 from storage.layout import MANIFEST_NAME, TOMBSTONE_NAME, RunLayout
 from storage.manifest import CONTENT_DIGEST, decode_json_object, is_wall_clock
-from storage.objects import sha256_bytes
 from storage.verify import stored_sha256
 
 RECORDS = ("LATEST", "run.json", "config_changes.jsonl", "fork.json", "summary.json")

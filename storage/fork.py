@@ -21,9 +21,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from storage.errors import ChecksumMismatchError
+from storage.hashing import sha256_bytes
 from storage.layout import CHECKPOINT_KINDS, STAGES, RunLayout, create_or_open_run
 from storage.manifest import Manifest, _move_latest, read_iteration_manifest, read_manifest, verify_latest
-from storage.objects import sha256_bytes
 from storage.provenance import utc_now
 
 logger = logging.getLogger(__name__)

@@ -30,8 +30,8 @@ import numpy as np
 from storage import anchor
 from storage.errors import AlreadyCommittedError, ChecksumMismatchError, CorruptManifestError, NotCommittedError
 from storage.faults import crash_point
+from storage.hashing import sha256_bytes
 from storage.layout import LAYOUT_VERSION, RunLayout, read_run
-from storage.objects import sha256_bytes
 from storage.provenance import code_version, utc_now
 
 logger = logging.getLogger(__name__)

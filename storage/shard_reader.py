@@ -21,9 +21,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from storage.errors import ChecksumMismatchError, SchemaVersionError, ShardJoinError
+from storage.hashing import sha256_bytes, sha256_local_file
 from storage.layout import RunLayout
 from storage.manifest import Manifest, read_manifest, read_stage_manifest
-from storage.objects import sha256_bytes, sha256_local_file
 from storage.schemas import JOIN_KEY, SCHEMAS, ShardSchema, check_shard_schema, version_mismatch
 from storage.shard_columns import LIST_KINDS, TOPK_KINDS, ragged, split_rows, topk
 

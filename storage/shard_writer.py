@@ -28,9 +28,9 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from storage.errors import ShardInvariantError
+from storage.hashing import HashingSink
 from storage.layout import RunLayout
 from storage.manifest import Manifest, read_stage_manifest
-from storage.objects import HashingSink
 from storage.schemas import (
     JOIN_KEY,
     PER_TOKEN_KINDS,

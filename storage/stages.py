@@ -16,6 +16,7 @@ from typing import Any
 
 from storage.errors import AlreadyCommittedError, ChecksumMismatchError, NotCommittedError
 from storage.faults import crash_point
+from storage.hashing import sha256_bytes
 from storage.layout import RunLayout, read_run
 from storage.manifest import (
     Manifest,
@@ -27,7 +28,6 @@ from storage.manifest import (
     verify_ref,
     write_manifest,
 )
-from storage.objects import sha256_bytes
 
 logger = logging.getLogger(__name__)
 

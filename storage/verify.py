@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from storage.errors import StorageError
+from storage.hashing import sha256_bytes
 from storage.layout import CHECKPOINT_KINDS, MANIFEST_NAME, STAGES, RunLayout, read_config_changes
 from storage.manifest import Manifest, read_latest_pointer, read_manifest
-from storage.objects import sha256_bytes
 
 _CHUNK = 8 * 2**20
 

@@ -195,7 +195,7 @@ def _anchors(layout: Any, tracking_uri: str | None) -> list[tuple[str, str]]:
     """Say what anchors the run's audit trail (its MLflow run's recorded digests, the signing key, or
     nothing) and return the manifests that depart from them, first edited first."""
     from storage import anchor
-    from storage.anchored import departures
+    from storage.departures import departures
     from tasks.tracking.anchor import recorded_digests
 
     if not layout.store.exists(layout.run_json):

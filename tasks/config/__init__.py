@@ -17,7 +17,8 @@ credential-looking keys and values (however spelled) are refused while loading, 
 is validated, printed or handed to anything; the error names the key, never the value. Storage
 options are an allow-list of those that are not secrets (`StorageOptions`), kept out of every record.
 
-The tree is split by what its values decide: `experiment` (everything that can change the result),
+The tree is split by what its values decide: `experiment` and `learning` (everything that can change
+the result: what is sampled, and how the run learns from it),
 `operations` (where a run lives, runs and what it keeps), `run` (the root `RunConfig`, loading,
 dumping, hashing) and `source` (the YAML file, overrides and the checks before validation). This
 package exports the whole tree: callers import from `tasks.config`.
@@ -26,17 +27,19 @@ package exports the whole tree: callers import from `tasks.config`.
 from tasks.config.experiment import (
     BootstrapConfig,
     DataConfig,
-    EvalConfig,
-    LossConfig,
     ModelConfig,
-    OptimizerConfig,
-    PipelineConfig,
     RolloutConfig,
     SGLangConfig,
+    VerifierConfig,
+)
+from tasks.config.learning import (
+    EvalConfig,
+    LossConfig,
+    OptimizerConfig,
+    PipelineConfig,
     TeacherConfig,
     TestTimeConfig,
     TrainConfig,
-    VerifierConfig,
 )
 from tasks.config.operations import (
     KeepRuleConfig,

@@ -13,16 +13,18 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 
 from tasks.config.experiment import (
     DataConfig,
+    ModelConfig,
+    RolloutConfig,
+    VerifierConfig,
+)
+from tasks.config.learning import (
     EvalConfig,
     LossConfig,
-    ModelConfig,
     OptimizerConfig,
     PipelineConfig,
-    RolloutConfig,
     TeacherConfig,
     TestTimeConfig,
     TrainConfig,
-    VerifierConfig,
 )
 from tasks.config.operations import LaunchConfig, StorageConfig, StorageOptions, TrackingConfig
 from tasks.config.section import Section

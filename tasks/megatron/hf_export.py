@@ -55,7 +55,7 @@ def write_hf_folder(
     (`storage.objects.write_local_hashing`), so its upload need not read it back. config.json
     names `config_dtype` (default: the weights' dtype, which must be one).
     """
-    from storage.objects import write_local_hashing
+    from storage.hashing import write_local_hashing
     from tasks.kept_weights import WEIGHTS_FILE
 
     out = Path(out_dir)

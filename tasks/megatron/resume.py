@@ -114,7 +114,7 @@ def check_replay(run: Run, trainer: MegatronTrainer, iteration: int) -> None:
     import torch
 
     from storage.checkpoints import read_checkpoint_manifest, resolve_checkpoint
-    from storage.objects import sha256_local_file
+    from storage.hashing import sha256_local_file
     from storage.scratch import scratch_dir
     from tasks.kept_weights import WEIGHTS_FILE
     from tasks.tokenizers import stored_tokenizer

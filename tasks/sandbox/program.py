@@ -31,9 +31,10 @@ Memory: one limit for the whole sandbox (tasks/sandbox/memory.py).
 The Python-level guard (`python_guard`) also runs on top of namespace isolation unless turned off.
 docs/tasks.md states the guarantees of each level.
 
-One module on purpose (longer than most): starting one sandbox, watching its pipe and killing
-it are one sequence whose security argument reads top to bottom; the parts that stand alone (the
-harness, zygote and call processes, guard, codec and memory limit) are modules of their own.
+How a sandbox starts (its isolation level, command, environment and rlimits) is
+tasks/sandbox/isolation.py; starting it, watching its pipe and killing it are one sequence here,
+whose security argument reads top to bottom; the harness, zygote and call processes, guard, codec
+and memory limit are modules of their own.
 """
 
 from __future__ import annotations
@@ -49,15 +50,26 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
-from functools import cache, lru_cache, partial
+from functools import partial
 from pathlib import Path
-from typing import Literal
 
 from sdpo_core.records import Verdict
 from sdpo_core.verifiers import code as code_verifier
 from sdpo_core.verifiers.code import EXEC_STATUSES, Execution, TestRunner, TestSuite
-from tasks.sandbox.memory import address_space_budget, memory_cgroup
+from tasks.sandbox.isolation import (
+    MIB,
+    WORKDIR_IN_ROOT,
+    SandboxLimits,
+    SandboxUnavailable,
+    isolation_level,
+    job_bytes,
+    namespace_command,
+    namespace_isolation_available,
+    process_command,
+    rlimits,
+    scrubbed_env,
+)
+from tasks.sandbox.memory import memory_cgroup
 
 __all__ = [
     "SandboxLimits",
@@ -70,144 +82,11 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-Isolation = Literal["auto", "namespace", "process"]
+DEFAULT_LIMITS = SandboxLimits()
+
 # the harness and the modules it imports, as (file here, name inside the sandbox)
-_HARNESS_FILES = (
-    (Path(__file__).with_name("harness.py"), "harness.py"),
-    *(
-        (Path(__file__).with_name(f"{name}.py"), f"sandbox_{name}.py")
-        for name in ("guard", "extensions", "codec", "runner")
-    ),
-)
-_WORKDIR_IN_ROOT = "/sandbox"
 _UID_RANGE = (200_000, 260_000)  # unprivileged uids no account uses; a random one per run
 _STARTUP_GRACE_S = 5.0  # interpreter start before the first test; counts against total_s only
-_MIB = 2**20
-
-
-class SandboxUnavailable(RuntimeError):
-    """The sandbox cannot run here: every answer would fail alike, so this stops the rollout."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class SandboxLimits:
-    """Resource limits of one sandboxed run.
-
-    `per_test_s` is the wall-clock limit of one test (a suite's own `time_limit` may lower it);
-    `total_s` bounds the whole run, interpreter start included. `memory_mb` bounds the memory of
-    the whole sandbox (a cgroup, else an RLIMIT_AS budget of memory_mb / nproc per process),
-    `file_mb` RLIMIT_FSIZE and the cap on one test's captured output, `tmpfs_mb` the size of the
-    working directory (namespace isolation), `nproc` RLIMIT_NPROC (processes and threads, the
-    judge, the zygote and the call process included). Each value must be of its type and within
-    `_RANGES` (seconds finite and over 0).
-    """
-
-    per_test_s: float = 6.0
-    total_s: float = 60.0
-    memory_mb: int = 1024
-    stack_mb: int = 64
-    file_mb: int = 16
-    tmpfs_mb: int = 64
-    nproc: int = 8
-    nofile: int = 64
-    isolation: Isolation = "auto"
-    python_guard: bool = True
-
-    def __post_init__(self) -> None:
-        for name, (low, high) in _RANGES.items():
-            value = getattr(self, name)
-            seconds = name.endswith("_s")
-            if isinstance(value, bool) or not isinstance(value, (int, float) if seconds else int):
-                what = "a number of seconds" if seconds else "an integer"
-                raise TypeError(f"SandboxLimits.{name} must be {what}, got {value!r}")
-            inside = low < value <= high if seconds else low <= value <= high  # false for nan too
-            if not inside:
-                raise ValueError(f"SandboxLimits.{name} must be in {_range_text(name)}, got {value!r}")
-        if self.isolation not in ("auto", "namespace", "process"):
-            raise ValueError(f"isolation must be auto, namespace or process, got {self.isolation!r}")
-        if not isinstance(self.python_guard, bool):
-            raise TypeError(f"SandboxLimits.python_guard must be true or false, got {self.python_guard!r}")
-        if self.isolation == "process" and not self.python_guard:
-            raise ValueError(
-                "isolation='process' relies on the Python guard; python_guard=False is only allowed with namespaces"
-            )
-
-
-# The bounds of each limit (a config naming a value outside them fails while loading). nproc counts
-# the judge, the zygote and a call process; nofile the descriptors each of them holds.
-_RANGES: dict[str, tuple[float, float]] = {
-    "per_test_s": (0.0, 3600.0),
-    "total_s": (0.0, 86_400.0),
-    "memory_mb": (1, 1 << 20),
-    "stack_mb": (1, 1 << 16),
-    "file_mb": (1, 1024),
-    "tmpfs_mb": (1, 1 << 20),
-    "nproc": (3, 4096),
-    "nofile": (16, 1 << 20),
-}
-
-
-def _range_text(name: str) -> str:
-    low, high = _RANGES[name]
-    return f"(0, {high:g}] seconds" if name.endswith("_s") else f"[{int(low)}, {int(high)}]"
-
-
-@lru_cache(maxsize=1)
-def namespace_isolation_available() -> bool:
-    """True when this process can build the namespace sandbox (Linux, root, a working `unshare`)."""
-    unshare = shutil.which("unshare")
-    if sys.platform != "linux" or os.geteuid() != 0 or unshare is None:
-        return False
-    probe = subprocess.run(
-        [unshare, "--net", "--mount", "--pid", "--ipc", "--uts", "--fork", "--kill-child", "true"],
-        capture_output=True,
-        timeout=10,
-    )
-    if probe.returncode != 0:
-        logger.info("unshare probe failed (%s): %s", probe.returncode, probe.stderr.decode(errors="replace").strip())
-    return probe.returncode == 0
-
-
-def _isolation(limits: SandboxLimits) -> Literal["namespace", "process"]:
-    if limits.isolation == "process":
-        _warn_once(
-            "code sandbox: isolation='process' runs model-written code as a plain process with rlimits, an "
-            "unprivileged uid (as root) and the Python-level guard; a crafted bytecode exploit of the interpreter "
-            "could bypass the guard"
-        )
-        return "process"
-    if namespace_isolation_available():
-        return "namespace"
-    raise SandboxUnavailable(
-        f"isolation={limits.isolation!r} needs namespace isolation (Linux, root, a working `unshare`), unavailable "
-        "here; run as root in a container, or accept the weaker plain-process sandbox by naming it: "
-        "verifier.kwargs.isolation=process"
-    )
-
-
-@cache
-def _warn_once(message: str) -> None:
-    logger.warning(message)
-
-
-def _rlimits(limits: SandboxLimits, *, set_nproc: bool, cgroup: bool) -> dict[str, int]:
-    # Without a uid of its own RLIMIT_NPROC cannot bind the sandbox; the guard (mandatory then)
-    # refuses fork to the program, which leaves the judge, the zygote and one call process.
-    processes = limits.nproc if set_nproc else 3
-    out = {
-        "RLIMIT_AS": address_space_budget(limits.memory_mb, processes=processes, cgroup=cgroup),
-        "RLIMIT_STACK": limits.stack_mb * _MIB,
-        "RLIMIT_FSIZE": limits.file_mb * _MIB,
-        "RLIMIT_NOFILE": limits.nofile,
-        "RLIMIT_CPU": int(limits.total_s) + 1,
-    }
-    if set_nproc:  # counted per uid: only meaningful when the sandbox has a uid of its own
-        out["RLIMIT_NPROC"] = limits.nproc
-    return out
-
-
-def _scrubbed_env(home: str) -> dict[str, str]:
-    return {"PATH": "/usr/bin:/bin", "HOME": home, "TMPDIR": home, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"}
 
 
 class _Reader:
@@ -272,13 +151,13 @@ def _exit_description(returncode: int | None) -> str:
     return f"the program ended the test run abruptly (exit status {returncode})"
 
 
-def run_program(program: str, suite: TestSuite, *, limits: SandboxLimits = SandboxLimits()) -> list[Execution]:
+def run_program(program: str, suite: TestSuite, *, limits: SandboxLimits = DEFAULT_LIMITS) -> list[Execution]:
     """Run `program` on every test of `suite` in a sandbox; one Execution per test, in order.
 
     Raises SandboxUnavailable only when the sandbox cannot run here (the isolation level is missing,
     or the sandbox died before the first test: a broken installation, not a verdict on the program).
     """
-    mode = _isolation(limits)
+    mode = isolation_level(limits)
     per_test = min(limits.per_test_s, suite.time_limit) if suite.time_limit else limits.per_test_s
     base = Path(tempfile.mkdtemp(prefix="sdpo-sandbox-"))
     proc: subprocess.Popen | None = None
@@ -295,16 +174,16 @@ def run_program(program: str, suite: TestSuite, *, limits: SandboxLimits = Sandb
                 "setup": suite.setup,
                 "entry_points": list(suite.entry_points),
             }
-            job = _job_bytes(program, tests)
+            job = job_bytes(program, tests)
             run_limits = {
-                "output_limit": limits.file_mb * _MIB,
-                "rlimits": _rlimits(limits, set_nproc=uid is not None, cgroup=cgroup_procs is not None),
+                "output_limit": limits.file_mb * MIB,
+                "rlimits": rlimits(limits, set_nproc=uid is not None, cgroup=cgroup_procs is not None),
                 "cgroup_procs": str(cgroup_procs) if cgroup_procs is not None and mode == "process" else None,
             }
             guard = "guard" if limits.python_guard else "noguard"
             if mode == "namespace":
                 assert uid is not None  # namespace isolation needs root
-                cmd, cwd = _namespace_command(
+                cmd, cwd = namespace_command(
                     base,
                     job,
                     python=python,
@@ -316,7 +195,7 @@ def run_program(program: str, suite: TestSuite, *, limits: SandboxLimits = Sandb
                     cgroup_procs=cgroup_procs,
                 )
             else:
-                cmd, cwd = _process_command(
+                cmd, cwd = process_command(
                     base, job, python=python, uid=uid, result_fd=write_fd, guard=guard, run_limits=run_limits
                 )
             with open(base / "stdout", "wb") as out, open(base / "stderr", "wb") as err:
@@ -328,12 +207,12 @@ def run_program(program: str, suite: TestSuite, *, limits: SandboxLimits = Sandb
                     pass_fds=(write_fd,),
                     start_new_session=True,
                     cwd=cwd,
-                    env=_scrubbed_env(cwd if mode == "process" else _WORKDIR_IN_ROOT),
+                    env=scrubbed_env(cwd if mode == "process" else WORKDIR_IN_ROOT),
                 )
             os.close(write_fd)
             write_fd = -1
             # one result line holds at most one test's output, JSON-escaped (up to 6 bytes per byte)
-            reader = _Reader(read_fd, max_bytes=6 * limits.file_mb * _MIB + (1 << 20))
+            reader = _Reader(read_fd, max_bytes=6 * limits.file_mb * MIB + (1 << 20))
             executions = _collect(proc, reader, n=len(suite.inputs), per_test=per_test, total=limits.total_s)
             _kill_group(proc)  # before the cgroup goes: nothing of the sandbox may outlive the run
             if executions is None:
@@ -350,107 +229,6 @@ def run_program(program: str, suite: TestSuite, *, limits: SandboxLimits = Sandb
         if write_fd >= 0:
             os.close(write_fd)
         shutil.rmtree(base, ignore_errors=True)
-
-
-def _job_bytes(program: str, tests: dict) -> bytes:
-    """The job file: the program first, behind its length, so the judge can fork the zygote after
-    reading it and before reading the tests."""
-    head = json.dumps({"code": program}).encode()
-    return b"%d\n" % len(head) + head + json.dumps(tests).encode()
-
-
-def _write_job(folder: Path, job: bytes) -> None:
-    """The job (readable by root only: the zygote drops its uid before the judge reads the tests)
-    and the harness with its modules."""
-    (folder / "job.json").write_bytes(job)
-    os.chmod(folder / "job.json", 0o400)
-    for source, name in _HARNESS_FILES:
-        shutil.copyfile(source, folder / name)
-        os.chmod(folder / name, 0o444)
-
-
-def _namespace_command(
-    base: Path,
-    job: bytes,
-    *,
-    python: str,
-    uid: int,
-    result_fd: int,
-    guard: str,
-    limits: SandboxLimits,
-    run_limits: dict,
-    cgroup_procs: Path | None,
-) -> tuple[list[str], str]:
-    """`unshare` + the harness's setup phase, which builds the minimal root under base/root."""
-    root = base / "root"
-    root.mkdir(mode=0o755)
-    _write_job(root, job)
-    prefix = os.path.realpath(sys.base_prefix)
-    binds = ["/usr"] + ([] if prefix.startswith("/usr/") else [prefix])
-    symlinks = {name: os.readlink(f"/{name}") for name in ("bin", "lib", "lib64", "sbin") if os.path.islink(f"/{name}")}
-    binds += [f"/{name}" for name in ("lib", "lib64") if os.path.isdir(f"/{name}") and name not in symlinks]
-    config = {
-        "root": str(root),
-        "uid": uid,
-        "binds": binds,
-        "symlinks": symlinks,
-        "workdir": _WORKDIR_IN_ROOT,
-        "tmpfs_bytes": limits.tmpfs_mb * _MIB,
-        "result_fd": result_fd,
-        "python": python,
-        "harness": "/harness.py",
-        "job": "/job.json",
-        "guard": guard,
-        "limits": json.dumps(run_limits),
-        "cgroup_procs": None if cgroup_procs is None else str(cgroup_procs),
-        "env": _scrubbed_env(_WORKDIR_IN_ROOT),
-    }
-    unshare = shutil.which("unshare")
-    assert unshare is not None  # checked by namespace_isolation_available
-    cmd = [
-        unshare,
-        "--net",
-        "--mount",
-        "--pid",
-        "--ipc",
-        "--uts",
-        "--fork",
-        "--kill-child",
-        "--",
-        python,
-        "-I",
-        "-S",
-        "-B",
-        str(root / "harness.py"),
-        "setup",
-        json.dumps(config),
-    ]
-    return cmd, str(base)
-
-
-def _process_command(
-    base: Path, job: bytes, *, python: str, uid: int | None, result_fd: int, guard: str, run_limits: dict
-) -> tuple[list[str], str]:
-    """The harness's run phase as a plain child, in a fresh working directory base/work."""
-    work = base / "work"
-    work.mkdir(mode=0o700)
-    _write_job(base, job)
-    if uid is not None:
-        os.chown(work, uid, uid)
-    cmd = [
-        python,
-        "-I",
-        "-S",
-        "-B",
-        str(base / "harness.py"),
-        "start",
-        str(base / "job.json"),
-        str(result_fd),
-        guard,
-        "-" if uid is None else str(uid),
-        json.dumps(run_limits),
-    ]
-    return cmd, str(work)
 
 
 def _collect(

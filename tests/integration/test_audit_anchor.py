@@ -20,8 +20,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from storage.hashing import sha256_bytes
 from storage.manifest import content_digest
-from storage.objects import sha256_bytes
 from tests.integration.runs import write_config
 from tests.integration.test_crash_resume import sdpo
 

@@ -50,7 +50,7 @@ def _reader(script: str, **names: object) -> subprocess.Popen[str]:
 
 READ_ALL = """
     from pathlib import Path
-    from storage.objects import sha256_local_file
+    from storage.hashing import sha256_local_file
     from storage.checkpoints import resolve_checkpoint
 
     def read_all(layout, n, folder):

@@ -73,7 +73,7 @@ def test_two_saves_of_one_state_write_the_same_bytes(trainer_inputs, tmp_path):
     """Every file of the distributed checkpoint, `.metadata` included (torch's writer records the
     folder it saved to and a random save id there unless `patch_deterministic_checkpoint_metadata`
     keeps them out), is the same whichever folder it was saved to; and the state loads back."""
-    from storage.objects import sha256_local_file
+    from storage.hashing import sha256_local_file
 
     hf, columns = trainer_inputs
     trainer = _trainer(hf)

@@ -36,7 +36,7 @@ from storage import (
     topk,
     upload_checkpoint,
 )
-from storage.objects import sha256_bytes
+from storage.hashing import sha256_bytes
 from storage.synthetic import synthetic_columns
 
 K = 16

@@ -195,6 +195,7 @@ def test_the_namespace_root_holds_no_repository_home_or_tmp(limits):
         "lib64",
         "root",
         "sandbox_codec.py",
+        "sandbox_judge.py",
         "sandbox_extensions.py",
         "sandbox_guard.py",
         "sandbox_runner.py",

@@ -312,9 +312,9 @@ def test_forked_processes_share_one_memory_limit(limits):
 
 
 def test_the_process_level_is_refused_unless_named(monkeypatch):
-    import tasks.sandbox.program as sandbox
+    import tasks.sandbox.isolation as isolation
 
-    monkeypatch.setattr(sandbox, "namespace_isolation_available", lambda: False)
+    monkeypatch.setattr(isolation, "namespace_isolation_available", lambda: False)
     with pytest.raises(RuntimeError, match="verifier.kwargs.isolation=process"):
         run_program(
             "print('ok')", TestSuite(testtype="stdin", inputs=["\n"], outputs=["ok"]), limits=SandboxLimits(**FAST)

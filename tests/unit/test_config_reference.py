@@ -61,7 +61,7 @@ def test_a_row_gives_type_default_constraints_and_description():
 
 
 def test_a_changed_field_makes_the_file_stale(monkeypatch):
-    from tasks.config.experiment import LossConfig
+    from tasks.config.learning import LossConfig
 
     current = REFERENCE_PATH.read_text(encoding="utf-8")
     fields = dict(LossConfig.__pydantic_fields__)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load, save
 
-from storage.objects import write_local_hashing
+from storage.hashing import write_local_hashing
 from tasks.megatron.hf_export import safetensors_buffers
 
 

@@ -21,7 +21,7 @@ import pytest
 from tasks.sandbox import guard
 from tasks.sandbox.extensions import ALLOWED, REFUSED
 
-SANDBOX_PYTHON = os.path.realpath(sys._base_executable)  # what tasks/sandbox/program.py starts
+SANDBOX_PYTHON = os.path.realpath(sys._base_executable)  # what tasks/sandbox/isolation.py starts
 
 
 def _sandbox_interpreter():
@@ -354,9 +354,9 @@ def test_the_hook_allows(event, args, tmp_path):
 def test_the_extension_tables_are_copied_into_the_sandbox_and_import_nothing():
     from pathlib import Path
 
-    from tasks.sandbox.program import _HARNESS_FILES
+    from tasks.sandbox.isolation import HARNESS_FILES
 
-    copied = {(source.name, name) for source, name in _HARNESS_FILES}
+    copied = {(source.name, name) for source, name in HARNESS_FILES}
     assert ("extensions.py", "sandbox_extensions.py") in copied
     source = (Path(guard.__file__).parent / "extensions.py").read_text()
     assert not [line for line in source.splitlines() if line.startswith(("import ", "from "))]

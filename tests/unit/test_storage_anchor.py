@@ -19,10 +19,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from storage import RunLayout, anchor, create_or_open_run
-from storage.anchored import adopt_recorded, committed_manifests, departures
+from storage.anchored import adopt_recorded, committed_manifests
+from storage.departures import departures
 from storage.errors import CorruptManifestError, DamagedOutputError
+from storage.hashing import sha256_bytes
 from storage.manifest import commit_iteration, content_digest, read_manifest, read_stage_manifest
-from storage.objects import sha256_bytes
 from storage.verify import verify_run
 from tests.unit.test_storage_adopt import _iteration
 

@@ -27,7 +27,8 @@ from storage import (
     resolve_checkpoint,
     upload_checkpoint,
 )
-from storage.objects import ObjectStore, sha256_local_file
+from storage.hashing import sha256_local_file
+from storage.objects import ObjectStore
 from storage.synthetic import synthetic_columns
 
 
@@ -453,7 +454,7 @@ def test_a_weights_file_hashed_as_it_was_written_is_not_read_again_to_upload(
     import hashlib
 
     from storage import objects
-    from storage.objects import write_local_hashing
+    from storage.hashing import write_local_hashing
 
     rng = np.random.default_rng(0)
     data = rng.bytes(3 * 8 * 2**20 + 12345)  # several hash chunks and a partial one

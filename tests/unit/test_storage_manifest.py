@@ -36,8 +36,8 @@ from storage import (
     write_eval,
     write_stage_manifest,
 )
+from storage.hashing import sha256_bytes
 from storage.manifest import plain_metrics
-from storage.objects import sha256_bytes
 from storage.provenance import code_version
 from storage.synthetic import synthetic_columns
 
