@@ -44,8 +44,10 @@ def bootstrap_cache_dir(run: Run) -> Path:
     return Path(cfg.storage.cache_dir) / "bootstrap" / digest
 
 
-def materialise_base(run: Run, *, progress: bool = True) -> tuple[Path, dict[str, Any]]:
-    """A local HF folder with the initial policy, and what is known about it."""
+def materialise_base(run: Run, *, progress: bool = True, use_shipped: bool = True) -> tuple[Path, dict[str, Any]]:
+    """A local HF folder with the initial policy, and what is known about it. A bootstrapped policy
+    whose settings the product ships one for (`tasks.data.shipped_base`: the demo's) is copied from
+    there unless `use_shipped` is false."""
     cfg = run.cfg
     if cfg.model.preset == "smollm2-135m-instruct":
         from tasks.data.smollm2 import materialise_smollm2
@@ -67,16 +69,22 @@ def materialise_base(run: Run, *, progress: bool = True) -> tuple[Path, dict[str
 
     from tasks.data.bootstrap import bootstrap_checkpoint
     from tasks.data.prompts import load_splits
+    from tasks.data.shipped_base import copy_shipped, shipped_folder
 
     out = bootstrap_cache_dir(run)
     info_path = out / "bootstrap.json"
     if info_path.exists():
         logger.info("reusing the bootstrapped base model in %s", out)
         return out, json.loads(info_path.read_text())
-    train_rows, eval_rows = load_splits(cfg.data, seed=cfg.seed)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f"{out.name}.partial{owner_tag()}"  # swept if this process is killed
     tmp.mkdir()
+    shipped = shipped_folder(out.name) if use_shipped else None
+    if shipped is not None:
+        logger.info("using the base model shipped for these settings (%s)", shipped)
+        copy_shipped(shipped, tmp)
+        return _settle(tmp, out, json.loads((tmp / "bootstrap.json").read_text()))
+    train_rows, eval_rows = load_splits(cfg.data, seed=cfg.seed)
     b = cfg.model.bootstrap
     info = bootstrap_checkpoint(
         str(tmp),
@@ -102,11 +110,17 @@ def materialise_base(run: Run, *, progress: bool = True) -> tuple[Path, dict[str
     # so the same settings give the same checkpoint bytes on any machine.
     stored = {k: v for k, v in info.items() if not k.endswith(("seconds", "per_second"))}
     (tmp / "bootstrap.json").write_text(json.dumps(stored, indent=2))
+    return _settle(tmp, out, info)
+
+
+def _settle(tmp: Path, out: Path, info: dict[str, Any]) -> tuple[Path, dict[str, Any]]:
+    """Move the finished folder `tmp` to `out` (atomic; a concurrent bootstrap of the same settings
+    may have won the race, whose folder is then the one used)."""
     try:
-        tmp.rename(out)  # atomic; a concurrent bootstrap of the same spec may have won the race
+        tmp.rename(out)
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)
-        info = json.loads(info_path.read_text())
+        info = json.loads((out / "bootstrap.json").read_text())
     return out, info
 
 
