@@ -109,12 +109,14 @@ def advance(
 
 @app.command()
 def validate(config: ConfigArg, overrides: OverridesArg = None) -> None:
-    """Validate a config (with overrides, data and tokenizer checks) and print it fully resolved, defaults included."""
+    """Validate a config (with overrides; data, tokenizer and hub model checks) and print it fully
+    resolved, defaults included. A hub model the hub could not be asked about is named in a warning."""
     import yaml
 
     from tasks.config import ConfigError, full_dict, load_config
     from tasks.preflight import preflight
 
+    setup_logging(False)  # the checks' warnings, one line each
     try:
         cfg = load_config(config, overrides or [])  # credentials are refused here, so never printed
         preflight(cfg)
