@@ -148,6 +148,7 @@ def complete_iteration(
     """
     from flows.artifacts import publish_iteration
     from storage.adopt import adopt_stage
+    from storage.fork import forked_at
     from storage.manifest import read_iteration_manifest, read_latest, stage_done
     from tasks.runtime import retain_after_commit
     from tasks.tracking.summary import sample_table
@@ -173,10 +174,11 @@ def complete_iteration(
     logged = tracker.log_step(n, metrics)
     # a kill after the step's metrics and before its sample table leaves the table to this call
     if n > 0 and (ran or logged or not tracker.has_samples(n)):
-        logger.info("%s: %s", name, describe_iteration(n, cfg.iterations, metrics))
         samples = sample_table(run, n)
         tracker.log_samples(n, samples)
-        publish_iteration(run, tracker, n, metrics, samples)
+        if ran or n > forked_at(run.layout):  # a fork's first iterations are its parent's: no news here
+            logger.info("%s: %s", name, describe_iteration(n, cfg.iterations, metrics))
+            publish_iteration(run, tracker, n, metrics, samples)
     if ran or n == cfg.iterations:
         retain_after_commit(run)
     return metrics, ran

@@ -161,12 +161,38 @@ def logs_to_flow_run(body: Callable[P, R]) -> Callable[P, R]:
 
 
 NOISY_LOGGERS = ("httpx", "alembic", "mlflow", "urllib3", "botocore", "werkzeug", "filelock", "torch.distributed")
+# Lines that say nothing to act on, dropped by message from the loggers that write them:
+DROPPED_LINES = {
+    # Prefect's note that its log and event queues are still being sent as the process ends
+    "EventsWorker": ("Still processing items",),
+    "APILogWorker": ("Still processing items",),
+    # MLflow asks the hub for the card and license of the policy it logs, which is a local
+    # checkpoint of the run (its name is a folder), so the look-ups can only fail
+    "mlflow.transformers": ("The model card could not be retrieved", "Unable to find license information"),
+}
+
+
+class _DropLines(logging.Filter):
+    """Drops a logger's records whose message starts with one of `prefixes`."""
+
+    def __init__(self, prefixes: tuple[str, ...]) -> None:
+        super().__init__()
+        self.prefixes = prefixes
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.prefixes)
 
 
 def quiet_libraries() -> None:
     """Keep libraries' chatter out of the run's output (download and weight-loading progress bars,
-    megatron-core's import-time notes on optional GPU libraries, request logs) and let the flows'
-    own status lines through (INFO, unless logging was configured for `flows` already)."""
+    megatron-core's import-time notes on optional GPU libraries, request logs, MLflow's INFO lines
+    such as the system-metrics monitor's, torch's deprecation of the ShardedTensor Megatron's
+    checkpoints load through, the lines of `DROPPED_LINES`) and let the flows' own status lines
+    through (INFO, unless logging was configured for `flows` already).
+
+    MLflow sets its loggers' level from MLFLOW_LOGGING_LEVEL when it is imported, which may come
+    after this call (a worker's flow run imports it when it opens the tracker): the variable is set
+    too."""
     from transformers.utils import logging as hf_logging
 
     own = logging.getLogger("flows")
@@ -174,9 +200,15 @@ def quiet_libraries() -> None:
         own.setLevel(logging.INFO)
     for noisy in NOISY_LOGGERS:
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    for name, prefixes in DROPPED_LINES.items():
+        target = logging.getLogger(name)
+        if not any(isinstance(f, _DropLines) for f in target.filters):
+            target.addFilter(_DropLines(prefixes))
     hf_logging.disable_progress_bar()  # per-checkpoint "Loading weights" bars, many per iteration
     hf_logging.set_verbosity_error()
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")
     warnings.filterwarnings("ignore", module=r"megatron\..*")
     warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*")
+    warnings.filterwarnings("ignore", message=r"Please use DTensor instead", category=FutureWarning)

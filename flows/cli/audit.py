@@ -220,6 +220,25 @@ def gc(
     console.print(table)
     freed = sum(d.bytes for d in decisions if not d.keep)
     console.print(f"{'would free' if dry_run else 'freed'} {freed / 2**20:.1f} MiB")
+    if freed == 0:
+        console.print(_nothing_to_free(run.cfg.storage.retention))
+
+
+def _nothing_to_free(retention: Any) -> str:
+    """What to set when retention keeps every checkpoint: the rules in `storage.retention`."""
+    rules = {kind: getattr(retention, kind).model_dump(exclude_none=True) for kind in ("resumable", "weights")}
+    how = (
+        "storage.retention.resumable.last=N (the full training state, the largest files) or "
+        "storage.retention.weights.last=N (the HF weights), or their `every` / `best` clauses, in the run's "
+        "config (`sdpo run CONFIG --allow-config-change storage.retention.resumable.last=1`, then `sdpo gc` again)"
+    )
+    if not any(rules.values()):
+        return f"nothing to free: storage.retention sets no rule, so every checkpoint keeps its files; set {how}"
+    set_now = "; ".join(f"{kind}: {rule or 'keep all'}" for kind, rule in rules.items())
+    return (
+        f"nothing to free: storage.retention ({set_now}) keeps every committed checkpoint, or a resume needs it; "
+        f"to free more, narrow {how}"
+    )
 
 
 @app.command()

@@ -155,19 +155,25 @@ def stage_command(
 def evaluate(
     config: ConfigArg,
     overrides: OverridesArg = None,
-    iteration: Annotated[int, typer.Option(help="checkpoint to evaluate (0 = the initial model)")] = -1,
+    iteration: Annotated[
+        int,
+        typer.Option(
+            help="checkpoint to evaluate: N = iteration N's, 0 = the initial model, -1 = the latest committed (LATEST)"
+        ),
+    ] = -1,
 ) -> None:
     """Evaluate a run's checkpoint on the held-out split: greedy accuracy, avg@n and pass@k of
     eval.sampled_n samples per prompt, response lengths, per data source when the split mixes them."""
-    from flows.evaluate import sdpo_eval
     from tasks.config import ConfigError, load_config, refuse_flow_overrides
 
-    setup_logging(False)
+    setup_logging(False)  # before Prefect is imported: its log level is read then
     try:
         cfg = load_config(config, overrides or [])
         refuse_flow_overrides(overrides or [])  # they become the flow run's parameters
     except ConfigError as err:
         fail(str(err))
+    from flows.evaluate import sdpo_eval
+
     with prefect_local_mode(cfg.name):
         metrics = sdpo_eval(str(config), list(overrides or []), iteration)
     for key, value in sorted(metrics.items()):
