@@ -25,10 +25,12 @@ from flows.orchestration import (
     iteration_run_name,
     logs_to_flow_run,
     name_flow_run,
+    name_overlapped_ticks,
     pause_own_schedules,
     quiet_libraries,
     skipped,
     skipped_run_name,
+    stood_aside_run_name,
 )
 from tasks import stages
 from tasks.allocator import keep_freed_heap
@@ -233,6 +235,7 @@ def writer_or_cancelled(cfg: Any, layout: Any, *, force_unlock: bool) -> Iterato
     else:
         aside = None
     if aside is not None:
+        name_flow_run(stood_aside_run_name(cfg.name))
         yield cancelled(aside)
         return
     try:
@@ -276,7 +279,10 @@ def sdpo_advance(
     with writer_or_cancelled(cfg, layout, force_unlock=force_unlock) as stood_aside:
         if stood_aside is not None:
             return stood_aside
-        return _advance_locked(cfg, layout, allow_config_change=allow_config_change)
+        try:
+            return _advance_locked(cfg, layout, allow_config_change=allow_config_change)
+        finally:  # the ticks Prefect cancelled while this one ran, under names of their run
+            name_overlapped_ticks(cfg.name)
 
 
 def _advance_locked(cfg: Any, layout: Any, *, allow_config_change: bool) -> Any:
