@@ -20,6 +20,7 @@ from typing import Any
 
 from prefect import flow
 
+from flows.cancel import cancellable
 from flows.orchestration import (
     cancelled,
     iteration_run_name,
@@ -97,6 +98,12 @@ class Prefetch:
 
     def __exit__(self, *exc: object) -> None:
         if self.runner is not None:
+            if exc[0] is not None:  # interrupted (cancelled in Prefect, Ctrl-C, a failure): the stages
+                # running ahead end now, not when done (their stage processes follow their starter)
+                import multiprocessing
+
+                for worker in multiprocessing.active_children():  # the pool's one worker process
+                    worker.terminate()
             self.runner.__exit__(*exc)
             self.runner = None
 
@@ -246,6 +253,7 @@ def writer_or_cancelled(cfg: Any, layout: Any, *, force_unlock: bool) -> Iterato
 
 @flow(name="sdpo-advance", log_prints=False)
 @logs_to_flow_run
+@cancellable
 def sdpo_advance(
     config_path: str,
     overrides: list[str] | None = None,

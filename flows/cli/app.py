@@ -135,6 +135,9 @@ def _start_ephemeral_server_during(work: Callable[[], Any]) -> None:
         guard(server.server_process.pid)
 
 
+CANCELLED_EXIT = 3  # the exit status of a command whose run was cancelled in Prefect
+
+
 def fail(message: str | None) -> None:
     typer.secho(message, fg=typer.colors.RED, err=True)
     raise typer.Exit(2)

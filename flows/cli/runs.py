@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 import time
 from functools import partial
 from typing import TYPE_CHECKING, Annotated, Any
@@ -9,6 +10,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from flows.cli.app import (
+    CANCELLED_EXIT,
     AllowChangeOpt,
     ConfigArg,
     ForceUnlockOpt,
@@ -56,7 +58,7 @@ def run(
             str(config), list(overrides or []), allow_config_change, force_unlock, return_state=True
         )  # type: ignore[assignment]  # a sync flow called with return_state returns its State
     if state.is_cancelled():
-        fail(state.message)
+        stop_cancelled(state, cfg, ["sdpo", "run", str(config), *(overrides or [])])
     summary = state.result()
     console = output_console()
     if summary is None:  # finished before this command: its summary as the store keeps it
@@ -81,6 +83,30 @@ def run(
     console.print(f"  sdpo status {cfg.name} --root {cfg.storage.root}")
 
 
+def stop_cancelled(state: State[Any], cfg: Any, command: list[str]) -> None:
+    """End a command whose flow run ended Cancelled: one line and exit CANCELLED_EXIT when it was
+    cancelled in Prefect (what, where the run stopped, the command that resumes it); exit 2 with the
+    reason when it stood aside (another live writer holds the run)."""
+    from flows.cancel import cancelled_in_prefect
+    from flows.progress import stage_under_way
+    from storage.manifest import read_latest
+    from tasks.runtime import run_layout
+
+    if not cancelled_in_prefect(state):
+        fail(state.message)
+    layout = run_layout(cfg)
+    latest = min(read_latest(layout) or 0, cfg.iterations)
+    at = stage_under_way(layout, latest, cfg.iterations)
+    where = "after its last iteration" if at == "done" else f"in iteration {latest + 1} at its {at} stage"
+    typer.secho(
+        f"run {cfg.name} was cancelled in Prefect: stopped {where} ({latest} of {cfg.iterations} iterations "
+        f"committed, the run lock released); resume it with: {shlex.join(command)}",
+        fg=typer.colors.YELLOW,
+        err=True,
+    )
+    raise typer.Exit(CANCELLED_EXIT)
+
+
 @app.command()
 def advance(
     config: ConfigArg,
@@ -99,7 +125,7 @@ def advance(
     with prefect_local_mode(cfg.name, meanwhile=partial(import_libraries, cfg)):
         state = sdpo_advance(str(config), list(overrides or []), allow_config_change, force_unlock, return_state=True)
     if state.is_cancelled():
-        fail(state.message)
+        stop_cancelled(state, cfg, ["sdpo", "advance", str(config), *(overrides or [])])
     result = state.result()
     if result is None:
         typer.echo(state.message)
