@@ -28,8 +28,6 @@ from flows.cli.app import (
 if TYPE_CHECKING:
     from prefect.client.schemas.objects import State
 
-MLFLOW_HOST, MLFLOW_PORT = "127.0.0.1", 5000  # where the printed `mlflow ui` command serves
-
 
 @app.command()
 def run(
@@ -45,6 +43,7 @@ def run(
     log_console = setup_logging(verbose)
     cfg = load_checked(config, overrides)
     announce_run(cfg, config, allow_config_change=allow_config_change)
+    from flows.cli.tracking import ui_commands
     from flows.progress import iteration_progress
     from flows.run import import_libraries, sdpo_run
     from tasks.runtime import run_layout
@@ -72,13 +71,8 @@ def run(
     console.print(render_table(summary))
     console.print(f"this `sdpo run` took {time.monotonic() - started:.1f} s (wall time)")
     console.print("\nInspect the run:")
-    uri = summary["tracking_uri"]
-    console.print(f"  mlflow ui --backend-store-uri {uri} --host {MLFLOW_HOST} --port {MLFLOW_PORT}")
-    if summary.get("experiment_id") is not None:  # tracking on: the page of its training runs
-        from flows.artifacts import mlflow_experiment_link
-
-        link = mlflow_experiment_link(f"http://{MLFLOW_HOST}:{MLFLOW_PORT}", summary["experiment_id"])
-        console.print(f"  then open {link}")
+    for line in ui_commands(cfg, summary.get("experiment_id")):  # the port of tracking.ui_url
+        console.print(f"  {line}")
     console.print(f"  sdpo lineage {cfg.name} --root {cfg.storage.root}")
     console.print(f"  sdpo status {cfg.name} --root {cfg.storage.root}")
 
