@@ -64,11 +64,16 @@ class _Watch:
         self._thread.start()
 
     def _watch(self) -> None:
+        import httpx
         from prefect.client.orchestration import get_client
 
         with get_client(sync_client=True) as client:
             while not self._stopped.wait(POLL_S):
-                state = client.read_flow_run(self.flow_run_id).state
+                try:
+                    state = client.read_flow_run(self.flow_run_id).state
+                except httpx.HTTPError as err:  # the server out of reach a moment: the next poll asks again
+                    logger.debug("reading the state of flow run %s failed: %s", self.flow_run_id, err)
+                    continue
                 if state is not None and (state.is_cancelling() or state.is_cancelled()):
                     with self._lock:
                         if self._stopped.is_set():

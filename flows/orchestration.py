@@ -144,7 +144,7 @@ class ScheduleNotResumed(ValueError):
 def resume_schedules(deployment_name: str, given: Mapping[str, Any]) -> tuple[Any, list[Any]]:
     """Resume every paused schedule of deployment `deployment_name` (`FLOW/DEPLOYMENT`) with its
     own parameters updated by `given`; returns the deployment and the schedules resumed (with the
-    parameters they now have). ScheduleWithoutParameters, resuming none, when one of them would
+    parameters they now have). ScheduleNotResumed, resuming none, when one of them would
     have no parameters of its own, saying what to pass (the parameters its last tick ran with), or
     when `given` names a parameter the deployment does not take."""
     from prefect.client.orchestration import get_client
@@ -180,13 +180,17 @@ def _how_to_restore(client: Any, deployment: Any, name: str, schedule: Any) -> s
         limit=200,
     )
     key = f"scheduled {deployment.id} {schedule.id} "
+
+    def beyond_defaults(params: dict[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in params.items() if deployment.parameters.get(k) != v}
+
     own = next(
         (
-            {k: v for k, v in tick.parameters.items() if deployment.parameters.get(k) != v}
+            beyond_defaults(tick.parameters)
             for tick in ticks
             if tick.idempotency_key is not None
             and tick.idempotency_key.startswith(key)
-            and any(deployment.parameters.get(k) != v for k, v in tick.parameters.items())
+            and beyond_defaults(tick.parameters)
         ),
         None,
     )
