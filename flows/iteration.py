@@ -287,10 +287,9 @@ def sdpo_advance(
     with writer_or_cancelled(cfg, layout, force_unlock=force_unlock) as stood_aside:
         if stood_aside is not None:
             return stood_aside
-        try:
-            return _advance_locked(cfg, layout, allow_config_change=allow_config_change)
-        finally:  # the ticks Prefect cancelled while this one ran, under names of their run
-            name_overlapped_ticks(cfg.name)
+        advanced = _advance_locked(cfg, layout, allow_config_change=allow_config_change)
+        name_overlapped_ticks(cfg.name)  # the ticks Prefect cancelled while this one (or an earlier one) ran
+        return advanced
 
 
 def _advance_locked(cfg: Any, layout: Any, *, allow_config_change: bool) -> Any:
