@@ -1,8 +1,10 @@
-"""Prefect artifacts of a run: one iteration summary (with the checkpoint and MLflow links) and one
-sample table per iteration, and one summary of the whole run at its end.
+"""Prefect artifacts of a run: per iteration a summary, a sample table and link artifacts to its
+policy checkpoint and to the MLflow run (links in Prefect's artifact view, not text to copy); one
+summary of the whole run at its end.
 
-Keys are per SDPO run (`sdpo-<run>-iteration`, `sdpo-<run>-samples`, `sdpo-<run>-summary`), so
-Prefect's artifact view keeps every iteration as a version of the same key.
+Keys are per SDPO run (`sdpo-<run>-iteration`, `sdpo-<run>-samples`, `sdpo-<run>-checkpoint`,
+`sdpo-<run>-mlflow-run`, `sdpo-<run>-summary`), so Prefect's artifact view keeps every iteration as
+a version of the same key.
 """
 
 from __future__ import annotations
@@ -88,7 +90,7 @@ def iteration_markdown(
         "|---|---|",
         *stage_times,
         "",
-        f"Checkpoint: `{checkpoint_url}`",
+        f"Checkpoint: [{checkpoint_url}]({checkpoint_url})",
         "",
         f"Samples and per-token credit: `{view_command(run.cfg.name, run.cfg.storage.root)}`",
         "",
@@ -100,13 +102,26 @@ def iteration_markdown(
 
 
 def publish_iteration(run: Any, tracker: Any, n: int, metrics: dict[str, float], samples: list[dict[str, Any]]) -> None:
-    """Iteration n's markdown summary (its links included) and sample table, as Prefect artifacts
-    of this flow run: two API calls per iteration."""
-    from prefect.artifacts import create_table_artifact
+    """Iteration n's markdown summary (its links included), sample table and the links to its
+    policy checkpoint and MLflow run, as Prefect artifacts of this flow run: an API call each."""
+    from prefect.artifacts import create_link_artifact, create_table_artifact
 
     name = run.cfg.name
     checkpoint_url = run.layout.checkpoint_dir(n, "policy")
     link = mlflow_run_link(tracker)
+    create_link_artifact(
+        checkpoint_url,
+        link_text=f"{name}: policy checkpoint of iteration {n}",
+        key=artifact_key(name, "checkpoint"),
+        description=f"{name} iteration {n}: the policy checkpoint",
+    )
+    if link is not None:
+        create_link_artifact(
+            link,
+            link_text=f"{name}: MLflow run (training view)",
+            key=artifact_key(name, "mlflow-run"),
+            description=f"{name} iteration {n}: the MLflow run",
+        )
     markdown_artifact(
         iteration_markdown(run, n, metrics, mlflow_link=link, checkpoint_url=checkpoint_url),
         key=artifact_key(name, "iteration"),
@@ -143,7 +158,7 @@ def publish_run(run: Any, tracker: Any, summary: dict[str, Any]) -> None:
             *times,
             f"| stages and evaluations | {summary['seconds']:.1f} |",
             "",
-            f"Run: `{run.layout.run_url}`",
+            f"Run: [{run.layout.run_url}]({run.layout.run_url})",
             "",
             f"MLflow run: [{link}]({link})" if link else "MLflow: tracking off or no `tracking.ui_url`",
         ]

@@ -17,6 +17,7 @@ import logging
 import os
 from collections.abc import Mapping
 from pathlib import Path
+from uuid import UUID
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +63,9 @@ def fail_flow_run(message: str) -> None:
     """Mark the flow run this process prepares (PREFECT__FLOW_RUN_ID) Failed with `message`, also
     one line of its logs. A failed pull step otherwise leaves it "Crashed: Process exited with
     status code: 1", the reason only in the worker's own output; a final state stays as it is when
-    the worker then reports the crash. Nothing outside a flow run."""
+    the worker then reports the crash. A flow run still under Prefect's generated name is named
+    after the config it was given, `<config file's stem>/no-checkout` (without a checkout the config,
+    and so the run's own name, cannot be read). Nothing outside a flow run."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import LogCreate
     from prefect.states import Failed
@@ -82,3 +85,6 @@ def fail_flow_run(message: str) -> None:
     with get_client(sync_client=True) as client:
         client.create_logs([line])
         client.set_flow_run_state(flow_run_id, Failed(message=message), force=True)
+        found = client.read_flow_run(UUID(flow_run_id))
+        if "/" not in found.name and found.parameters.get("config_path"):
+            client.set_flow_run_name(found.id, f"{Path(found.parameters['config_path']).stem}/no-checkout")

@@ -20,15 +20,18 @@ from typing import Any
 
 from prefect import flow
 
+from flows.cancel import cancellable
 from flows.orchestration import (
     cancelled,
     iteration_run_name,
     logs_to_flow_run,
     name_flow_run,
+    name_overlapped_ticks,
     pause_own_schedules,
     quiet_libraries,
     skipped,
     skipped_run_name,
+    stood_aside_run_name,
 )
 from tasks import stages
 from tasks.allocator import keep_freed_heap
@@ -107,6 +110,12 @@ class Prefetch:
 
     def __exit__(self, *exc: object) -> None:
         if self.runner is not None:
+            if exc[0] is not None:  # interrupted (cancelled in Prefect, Ctrl-C, a failure): the stages
+                # running ahead end now, not when done (their stage processes follow their starter)
+                import multiprocessing
+
+                for worker in multiprocessing.active_children():  # the pool's one worker process
+                    worker.terminate()
             self.runner.__exit__(*exc)
             self.runner = None
 
@@ -161,6 +170,7 @@ def complete_iteration(
     """
     from flows.artifacts import publish_iteration
     from storage.adopt import adopt_stage
+    from storage.fork import forked_at
     from storage.manifest import read_iteration_manifest, read_latest, read_stage_manifest, stage_done
     from tasks.runtime import retain_after_commit
     from tasks.tracking.summary import sample_table
@@ -188,10 +198,11 @@ def complete_iteration(
     logged = tracker.log_step(n, metrics)
     # a kill after the step's metrics and before its sample table leaves the table to this call
     if n > 0 and (ran or logged or not tracker.has_samples(n)):
-        logger.info("%s: %s", name, describe_iteration(n, cfg.iterations, metrics))
         samples = sample_table(run, n)
         tracker.log_samples(n, samples)
-        publish_iteration(run, tracker, n, metrics, samples)
+        if ran or n > forked_at(run.layout):  # a fork's first iterations are its parent's: no news here
+            logger.info("%s: %s", name, describe_iteration(n, cfg.iterations, metrics))
+            publish_iteration(run, tracker, n, metrics, samples)
     if ran or n == cfg.iterations:
         retain_after_commit(run)
     return metrics, ran
@@ -246,6 +257,7 @@ def writer_or_cancelled(cfg: Any, layout: Any, *, force_unlock: bool) -> Iterato
     else:
         aside = None
     if aside is not None:
+        name_flow_run(stood_aside_run_name(cfg.name))
         yield cancelled(aside)
         return
     try:
@@ -256,6 +268,7 @@ def writer_or_cancelled(cfg: Any, layout: Any, *, force_unlock: bool) -> Iterato
 
 @flow(name="sdpo-advance", log_prints=False)
 @logs_to_flow_run
+@cancellable
 def sdpo_advance(
     config_path: str,
     overrides: list[str] | None = None,
@@ -290,7 +303,9 @@ def sdpo_advance(
     with writer_or_cancelled(cfg, layout, force_unlock=force_unlock) as stood_aside:
         if stood_aside is not None:
             return stood_aside
-        return _advance_locked(cfg, layout, allow_config_change=allow_config_change)
+        advanced = _advance_locked(cfg, layout, allow_config_change=allow_config_change)
+        name_overlapped_ticks(cfg.name)  # the ticks Prefect cancelled while this one (or an earlier one) ran
+        return advanced
 
 
 def _advance_locked(cfg: Any, layout: Any, *, allow_config_change: bool) -> Any:

@@ -7,7 +7,8 @@ base model -> for n in 0..N: complete_iteration(n)  [iteration n, its evaluation
 
 A flow run that finds the run finished (a second request queued behind the one that finished it)
 ends Completed with a "Skipped:" message, named `<run>/skipped`, and publishes nothing; one that
-finds another live writer holding the run ends Cancelled, naming it.
+finds another live writer holding the run ends Cancelled, naming it; one the CLI runs that is
+cancelled in Prefect stops within seconds and ends Cancelled (`flows.cancel`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 
 from prefect import flow
 
+from flows.cancel import cancellable
 from flows.iteration import Prefetch, finish_run, finished_reason, writer_or_cancelled
 from flows.orchestration import logs_to_flow_run, name_flow_run, quiet_libraries, skipped, skipped_run_name
 from flows.overlap import CommitOverlap
@@ -37,6 +39,7 @@ def import_libraries(cfg: Any) -> None:
 
 @flow(name="sdpo-run", log_prints=False)
 @logs_to_flow_run
+@cancellable
 def sdpo_run(
     config_path: str | None = None,
     overrides: list[str] | None = None,

@@ -17,7 +17,9 @@ def sdpo_stage(stage: str, root: str, run: str, iteration: int) -> None:
 
     The store's options come from the environment of the pool's jobs (`SDPO_STORAGE_OPTIONS`, set in
     the work pool's or deployment's job variables), never from the flow run's parameters."""
+    from flows.orchestration import quiet_libraries
     from tasks.launch import register_stage_options, run_stage
 
+    quiet_libraries()
     register_stage_options(root)
     run_stage(stage, root, run, iteration)

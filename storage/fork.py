@@ -9,8 +9,12 @@ files relative to the run directory, so the copies check out against their diges
 they still name the parent as the run that wrote them, which is what happened.
 
 ```
-<root>/<child>/fork.json   {parent, parent_run_url, iteration, iteration_manifest_sha256, forked_at}
+<root>/<child>/fork.json   {parent, parent_run_url, iteration, iteration_manifest_sha256, forked_at, changes}
 ```
+
+`changes` lists the settings the fork changed, `[key, parent's value, fork's value]` by dotted key
+(`sdpo compare`'s legend and the fork's MLflow run name them); a fork.json written before it was
+recorded has none, and its changes are then not known.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from typing import Any
 
 from storage.errors import ChecksumMismatchError
 from storage.hashing import sha256_bytes
-from storage.layout import CHECKPOINT_KINDS, STAGES, RunLayout, create_or_open_run
+from storage.layout import CHECKPOINT_KINDS, STAGES, RunLayout, config_diff, create_or_open_run, read_run_config
 from storage.manifest import Manifest, _move_latest, read_iteration_manifest, read_manifest, verify_latest
 from storage.provenance import utc_now
 
@@ -71,6 +75,7 @@ def fork_run(parent: RunLayout, child: RunLayout, *, iteration: int, config: Map
         raise FileExistsError(f"run {child.run_name!r} already exists at {child.run_url}; pick another name")
     if config.get("name") != child.run_name:
         raise ValueError(f"the fork's config is named {config.get('name')!r}, its run {child.run_name!r}")
+    changes = [list(d) for d in config_diff(read_run_config(parent), config) if d[0] != "name"]
     copied = 0
     for url in _committed_manifests(parent, iteration):
         copied += _copy_committed(parent, child, read_manifest(parent, url))
@@ -81,6 +86,7 @@ def fork_run(parent: RunLayout, child: RunLayout, *, iteration: int, config: Map
         "iteration": iteration,
         "iteration_manifest_sha256": head.sha256,
         "forked_at": utc_now(),
+        "changes": changes,
     }
     child.store.write_bytes(child.fork_json, json.dumps(record, indent=1, sort_keys=True).encode())
     _move_latest(child, head, iteration)
@@ -97,3 +103,21 @@ def read_fork(layout: RunLayout) -> dict[str, Any] | None:
         return None
     record: dict[str, Any] = json.loads(layout.store.read_bytes(layout.fork_json))
     return record
+
+
+def forked_at(layout: RunLayout) -> int:
+    """The iteration run `layout` was forked from (its iterations 1..n are its parent's), 0 for a
+    run that was not forked."""
+    record = read_fork(layout)
+    return 0 if record is None else int(record["iteration"])
+
+
+def describe_changes(record: Mapping[str, Any]) -> str:
+    """A fork's changed settings as `key old -> new`, `; `-separated; "its changes are not
+    recorded" for a fork.json of a version that did not record them, "no setting changed" for none."""
+    if "changes" not in record:
+        return "its changes are not recorded"
+    changes = record["changes"]
+    if not changes:
+        return "no setting changed"
+    return "; ".join(f"{key} {json.dumps(old)} -> {json.dumps(new)}" for key, old, new in changes)

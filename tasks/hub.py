@@ -28,7 +28,7 @@ from typing import Any
 from storage.scratch import owner_tag
 from tasks.config import ConfigError
 
-__all__ = ["HubModel", "hub_model", "hub_snapshot", "policy_folder"]
+__all__ = ["HubModel", "check_on_hub", "hub_model", "hub_snapshot", "policy_folder"]
 
 logger = logging.getLogger(__name__)
 
@@ -118,11 +118,38 @@ def hub_snapshot(model: HubModel, *, cache_only: bool) -> Path | None:
             f"can be reached (with the same HF_HOME / HF_HUB_CACHE), or unset HF_HUB_OFFLINE ({err})"
         ) from None
     except (GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError) as err:
-        raise ConfigError(
-            f"{FIELD}={model.url!r}: the hub has no such model or revision, or it needs a token "
-            f"(`hf auth login` or HF_TOKEN): {type(err).__name__}: {err}"
-        ) from None
+        raise _not_on_hub(model, err) from None
     return Path(folder) / model.folder
+
+
+def _not_on_hub(model: HubModel, err: Exception) -> ConfigError:
+    return ConfigError(
+        f"{FIELD}={model.url!r}: the hub has no such model or revision, or it needs a token "
+        f"(`hf auth login` or HF_TOKEN): {type(err).__name__}: {err}"
+    )
+
+
+def check_on_hub(model: HubModel) -> str | None:
+    """Ask the hub (HF_ENDPOINT) whether `model`'s repository exists at its revision, for a model
+    not in the hub cache: ConfigError when the hub says it does not (or that it needs a token),
+    naming the address asked; None when it does; when the hub could not answer (unreachable, timed
+    out after HF_HUB_ETAG_TIMEOUT seconds, an error of its own), what was tried and what happened."""
+    import httpx2  # the hub client's HTTP library
+    from huggingface_hub import HfApi, constants
+    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
+
+    asked = f"{constants.ENDPOINT}/api/models/{model.repo_id}" + (
+        f"/revision/{model.revision}" if model.revision else ""
+    )
+    try:
+        HfApi().model_info(model.repo_id, revision=model.revision, timeout=constants.HF_HUB_ETAG_TIMEOUT)
+    except (GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError) as err:
+        raise ConfigError(f"{_not_on_hub(model, err)} (asked {asked})") from None
+    except HfHubHTTPError as err:
+        return f"asked {asked}: the hub answered {type(err).__name__}: {err}"
+    except httpx2.TransportError as err:
+        return f"asked {asked}: no answer ({type(err).__name__}: {err})"
+    return None
 
 
 def policy_folder(model: HubModel, cache_dir: str) -> tuple[Path, dict[str, Any]]:

@@ -6,8 +6,9 @@ folder: the storage root must not be a file, prepared data must follow the schem
 (tasks/data/schema.py) with a held-out set disjoint from training, and `rollout.top_k` must fit
 the tokenizer's vocabulary (bootstrap tokenizer, local model folder, preset or a hub model in the hub
 cache; a model at a remote URL, or a hub model still to download, is checked when the rollout stage
-loads it), a hub model must be in the hub cache when HF_HUB_OFFLINE is set, and `rollout.device=cuda`
-needs a visible CUDA device.
+loads it), a hub model must be in the hub cache when HF_HUB_OFFLINE is set and, when it is not in
+the cache, known to the hub (a hub that cannot be reached leaves it unchecked, said in one warning),
+and `rollout.device=cuda` needs a visible CUDA device.
 """
 
 from __future__ import annotations
@@ -51,6 +52,25 @@ def vocabulary_size(cfg: RunConfig) -> int | None:
     return len(AutoTokenizer.from_pretrained(str(folder)))
 
 
+def _check_hub_model(path: str) -> None:
+    """A hub model must be in the hub cache (ConfigError offline, naming it), else the hub must
+    know it (ConfigError when it says it does not); one warning naming it as unchecked when the hub
+    could not be asked (the rollout stage fetches it, and fails there if it cannot be had)."""
+    from tasks.hub import check_on_hub, hub_model, hub_snapshot
+
+    hub = hub_model(path)
+    if hub is None or hub_snapshot(hub, cache_only=True) is not None:
+        return
+    unchecked = check_on_hub(hub)
+    if unchecked is not None:
+        logger.warning(
+            "model.path=%r is unchecked: not in the hub cache and the hub could not say whether it exists (%s); "
+            "the rollout stage downloads it and fails there if it cannot (HF_HUB_OFFLINE=1 checks the cache alone)",
+            hub.url,
+            unchecked,
+        )
+
+
 def preflight(cfg: RunConfig) -> None:
     """ConfigError (naming the field, and file:line for data) when the run cannot start as configured."""
     root = _local(cfg.storage.root)
@@ -64,10 +84,7 @@ def preflight(cfg: RunConfig) -> None:
         except (ValueError, FileNotFoundError) as err:  # InvalidRowError names the file and line
             raise ConfigError(f"data (data.path / data.eval_path / data.questions): {err}") from None
     if cfg.model.path:
-        from tasks.hub import hub_model, hub_snapshot
-
-        if (hub := hub_model(cfg.model.path)) is not None:
-            hub_snapshot(hub, cache_only=True)  # offline and not in the hub cache: named here
+        _check_hub_model(cfg.model.path)
     if cfg.rollout.device == "cuda":
         import torch
 

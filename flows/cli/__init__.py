@@ -1,12 +1,13 @@
 """The `sdpo` command line (`flows.cli:app`): the app and its shared options in `app`, the commands
 that run in `runs`, the ones that inspect and maintain runs in `audit`, the one that resumes a deployment's schedules in
-`schedules`."""
+`schedules`, the one that opens the MLflow UI in `tracking`."""
 
 # importing the command modules registers their commands on `app`, in this order in `sdpo --help`
 # isort: off
 from flows.cli import runs  # noqa: F401
 from flows.cli import audit  # noqa: F401
 from flows.cli import schedules  # noqa: F401
+from flows.cli import tracking  # noqa: F401
 
 # isort: on
 from flows.cli.app import app

@@ -25,11 +25,16 @@ ConfigArg = Annotated[Path, typer.Argument(help="YAML run config, e.g. configs/d
 OverridesArg = Annotated[
     list[str] | None, typer.Argument(help="dotted overrides, e.g. loss.alpha=0.5 rollout.group_size=4")
 ]
+# Flags without a `--no-` twin: the options column of `--help` then fits 80 columns whole.
 AllowChangeOpt = Annotated[
-    bool, typer.Option(help="continue an existing run under a changed config (the change is recorded)")
+    bool,
+    typer.Option(
+        "--allow-config-change", help="continue an existing run under a changed config (the change is recorded)"
+    ),
 ]
 ForceUnlockOpt = Annotated[
-    bool, typer.Option(help="take over a run lock whose lease expired and whose holder did not heartbeat")
+    bool,
+    typer.Option("--force-unlock", help="take over a run lock whose lease expired and whose holder did not heartbeat"),
 ]
 VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="every stage's log lines")]
 
@@ -130,6 +135,9 @@ def _start_ephemeral_server_during(work: Callable[[], Any]) -> None:
         guard(server.server_process.pid)
 
 
+CANCELLED_EXIT = 3  # the exit status of a command whose run was cancelled in Prefect
+
+
 def fail(message: str | None) -> None:
     typer.secho(message, fg=typer.colors.RED, err=True)
     raise typer.Exit(2)
@@ -149,12 +157,21 @@ def announce_run(cfg: Any, config: Path, *, allow_config_change: bool) -> None:
             check_config_unchanged(cfg, layout)
         except ConfigMismatchError as err:
             fail(str(err))
+    from storage.fork import describe_changes, read_fork
+
     latest = read_latest(layout)
     where = f"config {config}, {cfg.iterations} iterations, under {cfg.storage.root}"
     if latest is None:
         typer.echo(f"starting run {cfg.name} ({where})", err=True)
-    else:
-        typer.echo(f"resuming run {cfg.name} at iteration {latest}/{cfg.iterations} ({where})", err=True)
+        return
+    typer.echo(f"resuming run {cfg.name} at iteration {latest}/{cfg.iterations} ({where})", err=True)
+    fork = read_fork(layout)
+    if fork is not None:  # its first iterations are the parent's: said once, not as iterations just run
+        typer.echo(
+            f"  a fork of {fork['parent']}: iterations 1-{fork['iteration']} are its parent's "
+            f"({describe_changes(fork)})",
+            err=True,
+        )
 
 
 def load_checked(config: Path, overrides: list[str] | None) -> Any:

@@ -26,14 +26,17 @@ def lineage(
     (and, for a fork, the run and iteration it started from)."""
     from storage.checkpoints import format_lineage
     from storage.checkpoints import lineage as read_lineage
-    from storage.fork import read_fork
+    from storage.fork import describe_changes, read_fork
     from storage.layout import RunLayout
 
     layout = RunLayout(root, run_name)
     fork = read_fork(layout)
     title = None
     if fork is not None:
-        title = f"{run_name}: forked from {fork['parent_run_url']} at iteration {fork['iteration']} (iteration manifest {fork['iteration_manifest_sha256'][:12]})"
+        title = (
+            f"{run_name}: forked from {fork['parent_run_url']} at iteration {fork['iteration']} (iteration manifest "
+            f"{fork['iteration_manifest_sha256'][:12]}; {describe_changes(fork)})"
+        )
     typer.echo(format_lineage(read_lineage(layout), title=title))
 
 
@@ -285,6 +288,25 @@ def gc(
     console.print(table)
     freed = sum(d.bytes for d in decisions if not d.keep)
     console.print(f"{'would free' if dry_run else 'freed'} {freed / 2**20:.1f} MiB")
+    if freed == 0:
+        console.print(_nothing_to_free(run.cfg.storage.retention))
+
+
+def _nothing_to_free(retention: Any) -> str:
+    """What to set when retention keeps every checkpoint: the rules in `storage.retention`."""
+    rules = {kind: getattr(retention, kind).model_dump(exclude_none=True) for kind in ("resumable", "weights")}
+    how = (
+        "storage.retention.resumable.last=N (the full training state, the largest files) or "
+        "storage.retention.weights.last=N (the HF weights), or their `every` / `best` clauses, in the run's "
+        "config (`sdpo run CONFIG --allow-config-change storage.retention.resumable.last=1`, then `sdpo gc` again)"
+    )
+    if not any(rules.values()):
+        return f"nothing to free: storage.retention sets no rule, so every checkpoint keeps its files; set {how}"
+    set_now = "; ".join(f"{kind}: {rule or 'keep all'}" for kind, rule in rules.items())
+    return (
+        f"nothing to free: storage.retention ({set_now}) keeps every committed checkpoint, or a resume needs it; "
+        f"to free more, narrow {how}"
+    )
 
 
 @app.command()
@@ -323,9 +345,11 @@ def compare(
     ] = Path("compare.png"),
 ) -> None:
     """Runs side by side: base, final and best held-out accuracy, avg@n and pass@k, response lengths,
-    seconds; greedy accuracy by iteration; and a plot of the curves (all read from the run root)."""
+    seconds; greedy accuracy by iteration; and a plot of the curves (all read from the run root). A
+    fork is named with its parent and the settings it changed, and drawn dashed."""
     from rich.table import Table
 
+    from storage.fork import describe_changes
     from tasks.tracking.compare import accuracy_rows, read_history, summary_rows, write_plot
 
     histories = []
@@ -345,4 +369,10 @@ def compare(
         for row in rows:
             table.add_row(*row)
         console.print(table)
+    for history in histories:  # a fork's first iterations are its parent's; what it changed tells them apart
+        if history.fork is not None:
+            console.print(
+                f"{history.name}: fork of {history.fork['parent']} at iteration {history.fork['iteration']} "
+                f"({describe_changes(history.fork)}); its curves are dashed in the plot"
+            )
     console.print(f"plot: {write_plot(histories, plot)}")

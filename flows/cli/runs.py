@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 import time
 from functools import partial
 from typing import TYPE_CHECKING, Annotated, Any
@@ -9,6 +10,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from flows.cli.app import (
+    CANCELLED_EXIT,
     AllowChangeOpt,
     ConfigArg,
     ForceUnlockOpt,
@@ -26,8 +28,6 @@ from flows.cli.app import (
 if TYPE_CHECKING:
     from prefect.client.schemas.objects import State
 
-MLFLOW_HOST, MLFLOW_PORT = "127.0.0.1", 5000  # where the printed `mlflow ui` command serves
-
 
 @app.command()
 def run(
@@ -43,6 +43,7 @@ def run(
     log_console = setup_logging(verbose)
     cfg = load_checked(config, overrides)
     announce_run(cfg, config, allow_config_change=allow_config_change)
+    from flows.cli.tracking import ui_commands
     from flows.progress import iteration_progress
     from flows.run import import_libraries, sdpo_run
     from tasks.runtime import run_layout
@@ -56,7 +57,7 @@ def run(
             str(config), list(overrides or []), allow_config_change, force_unlock, return_state=True
         )  # type: ignore[assignment]  # a sync flow called with return_state returns its State
     if state.is_cancelled():
-        fail(state.message)
+        stop_cancelled(state, cfg, ["sdpo", "run", str(config), *(overrides or [])])
     summary = state.result()
     console = output_console()
     if summary is None:  # finished before this command: its summary as the store keeps it
@@ -70,15 +71,34 @@ def run(
     console.print(render_table(summary))
     console.print(f"this `sdpo run` took {time.monotonic() - started:.1f} s (wall time)")
     console.print("\nInspect the run:")
-    uri = summary["tracking_uri"]
-    console.print(f"  mlflow ui --backend-store-uri {uri} --host {MLFLOW_HOST} --port {MLFLOW_PORT}")
-    if summary.get("experiment_id") is not None:  # tracking on: the page of its training runs
-        from flows.artifacts import mlflow_experiment_link
-
-        link = mlflow_experiment_link(f"http://{MLFLOW_HOST}:{MLFLOW_PORT}", summary["experiment_id"])
-        console.print(f"  then open {link}")
+    for line in ui_commands(cfg, summary.get("experiment_id")):  # the port of tracking.ui_url
+        console.print(f"  {line}")
     console.print(f"  sdpo lineage {cfg.name} --root {cfg.storage.root}")
     console.print(f"  sdpo status {cfg.name} --root {cfg.storage.root}")
+
+
+def stop_cancelled(state: State[Any], cfg: Any, command: list[str]) -> None:
+    """End a command whose flow run ended Cancelled: one line and exit CANCELLED_EXIT when it was
+    cancelled in Prefect (what, where the run stopped, the command that resumes it); exit 2 with the
+    reason when it stood aside (another live writer holds the run)."""
+    from flows.cancel import cancelled_in_prefect
+    from flows.progress import stage_under_way
+    from storage.manifest import read_latest
+    from tasks.runtime import run_layout
+
+    if not cancelled_in_prefect(state):
+        fail(state.message)
+    layout = run_layout(cfg)
+    latest = min(read_latest(layout) or 0, cfg.iterations)
+    at = stage_under_way(layout, latest, cfg.iterations)
+    where = "after its last iteration" if at == "done" else f"in iteration {latest + 1} at its {at} stage"
+    typer.secho(
+        f"run {cfg.name} was cancelled in Prefect: stopped {where} ({latest} of {cfg.iterations} iterations "
+        f"committed, the run lock released); resume it with: {shlex.join(command)}",
+        fg=typer.colors.YELLOW,
+        err=True,
+    )
+    raise typer.Exit(CANCELLED_EXIT)
 
 
 @app.command()
@@ -99,7 +119,7 @@ def advance(
     with prefect_local_mode(cfg.name, meanwhile=partial(import_libraries, cfg)):
         state = sdpo_advance(str(config), list(overrides or []), allow_config_change, force_unlock, return_state=True)
     if state.is_cancelled():
-        fail(state.message)
+        stop_cancelled(state, cfg, ["sdpo", "advance", str(config), *(overrides or [])])
     result = state.result()
     if result is None:
         typer.echo(state.message)
@@ -109,12 +129,14 @@ def advance(
 
 @app.command()
 def validate(config: ConfigArg, overrides: OverridesArg = None) -> None:
-    """Validate a config (with overrides, data and tokenizer checks) and print it fully resolved, defaults included."""
+    """Validate a config (with overrides; data, tokenizer and hub model checks) and print it fully
+    resolved, defaults included. A hub model the hub could not be asked about is named in a warning."""
     import yaml
 
     from tasks.config import ConfigError, full_dict, load_config
     from tasks.preflight import preflight
 
+    setup_logging(False)  # the checks' warnings, one line each
     try:
         cfg = load_config(config, overrides or [])  # credentials are refused here, so never printed
         preflight(cfg)
@@ -153,19 +175,25 @@ def stage_command(
 def evaluate(
     config: ConfigArg,
     overrides: OverridesArg = None,
-    iteration: Annotated[int, typer.Option(help="checkpoint to evaluate (0 = the initial model)")] = -1,
+    iteration: Annotated[
+        int,
+        typer.Option(
+            help="checkpoint to evaluate: N = iteration N's, 0 = the initial model, -1 = the latest committed (LATEST)"
+        ),
+    ] = -1,
 ) -> None:
     """Evaluate a run's checkpoint on the held-out split: greedy accuracy, avg@n and pass@k of
     eval.sampled_n samples per prompt, response lengths, per data source when the split mixes them."""
-    from flows.evaluate import sdpo_eval
     from tasks.config import ConfigError, load_config, refuse_flow_overrides
 
-    setup_logging(False)
+    setup_logging(False)  # before Prefect is imported: its log level is read then
     try:
         cfg = load_config(config, overrides or [])
         refuse_flow_overrides(overrides or [], config_path=config)  # they become the flow run's parameters
     except ConfigError as err:
         fail(str(err))
+    from flows.evaluate import sdpo_eval
+
     with prefect_local_mode(cfg.name):
         metrics = sdpo_eval(str(config), list(overrides or []), iteration)
     for key, value in sorted(metrics.items()):

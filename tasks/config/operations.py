@@ -171,7 +171,9 @@ class TrackingConfig(Section):
     experiment: str = Field("sdpo", description="the MLflow experiment the run is logged under")
     enabled: bool = Field(True, description="log to MLflow at all")
     ui_url: PlainUrl | None = Field(
-        "http://127.0.0.1:5000", description="MLflow UI address that Prefect artifacts link to; null = no links"
+        "http://127.0.0.1:5000",
+        description="MLflow UI address the links of Prefect artifacts and `sdpo run` point at (its port is the one "
+        "`sdpo run` prints `sdpo mlflow-ui` with); null = no Prefect links",
     )
     system_metrics: bool = Field(
         True, description="sample CPU, memory, disk and GPU use into the MLflow run (system/*)"

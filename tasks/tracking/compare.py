@@ -28,14 +28,22 @@ class RunHistory:
     name: str
     url: str
     config: dict[str, Any]
+    fork: dict[str, Any] | None = None  # the fork record (`storage.fork`) of a forked run
     evals: dict[int, dict[str, float]] = field(default_factory=dict)
     iterations: dict[int, dict[str, float]] = field(default_factory=dict)
     seconds: dict[int, float] = field(default_factory=dict)
 
     @property
     def label(self) -> str:
+        """The legend's name of the run: its loss and seed, and for a fork its parent, the iteration
+        it started from and the settings it changed (its curves up to there are its parent's)."""
+        from storage.fork import describe_changes
+
         kind = self.config.get("loss", {}).get("type", "?")
-        return f"{self.name} ({kind}, seed {self.config.get('seed', '?')})"
+        label = f"{self.name} ({kind}, seed {self.config.get('seed', '?')})"
+        if self.fork is None:
+            return label
+        return f"{label}\n  fork of {self.fork['parent']} at {self.fork['iteration']}: {describe_changes(self.fork)}"
 
     def last(self) -> int:
         return max(self.iterations, default=0)
@@ -43,12 +51,13 @@ class RunHistory:
 
 def read_history(root: str, run_name: str) -> RunHistory:
     """The committed history of run `run_name` under `root` (raises FileNotFoundError for no run)."""
+    from storage.fork import read_fork
     from storage.layout import RunLayout, read_run_config
     from storage.manifest import iteration_committed, read_iteration_manifest, read_latest
     from storage.stages import read_eval
 
     layout = RunLayout(root, run_name)
-    history = RunHistory(run_name, layout.run_url, read_run_config(layout))
+    history = RunHistory(run_name, layout.run_url, read_run_config(layout), fork=read_fork(layout))
     latest = read_latest(layout) or 0
     elapsed = 0.0
     for n in range(latest + 1):
@@ -121,7 +130,8 @@ def _fmt(value: float | None, digits: int = 3) -> str:
 
 
 def write_plot(histories: list[RunHistory], path: Path) -> Path:
-    """Greedy accuracy vs iteration, vs seconds, and rollout response length vs iteration, one line per run."""
+    """Greedy accuracy vs iteration, vs seconds, and rollout response length vs iteration, one line
+    per run, named by `RunHistory.label` (a fork's dashed, its changed settings in the legend)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -129,12 +139,14 @@ def write_plot(histories: list[RunHistory], path: Path) -> Path:
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     for history in histories:
+        # a fork's curves are dashed: up to its fork point they are its parent's, drawn over them
+        style = {"label": history.label, "linestyle": "--" if history.fork is not None else "-"}
         steps = sorted(n for n, m in history.evals.items() if GREEDY in m)
         accuracy = [history.evals[n][GREEDY] for n in steps]
-        axes[0].plot(steps, accuracy, marker="o", label=history.label)
-        axes[1].plot([history.seconds[n] for n in steps], accuracy, marker="o", label=history.label)
+        axes[0].plot(steps, accuracy, marker="o", **style)
+        axes[1].plot([history.seconds[n] for n in steps], accuracy, marker="o", **style)
         its = sorted(n for n, m in history.iterations.items() if ROLLOUT_LENGTH in m)
-        axes[2].plot(its, [history.iterations[n][ROLLOUT_LENGTH] for n in its], label=history.label)
+        axes[2].plot(its, [history.iterations[n][ROLLOUT_LENGTH] for n in its], **style)
     for ax, xlabel, ylabel in (
         (axes[0], "iteration", "eval greedy accuracy"),
         (axes[1], "seconds (stages + evaluation)", "eval greedy accuracy"),

@@ -2,7 +2,9 @@
 
 The tracking URI comes from the config; unset, it is one SQLite store per storage root, beside the
 runs (`<root>/mlflow.db` for a local root, `.sdpo/mlflow.db` for an object-store root), so every
-run under a root, its baseline and its forks, compare in one `mlflow ui`.
+run under a root, its baseline and its forks, compare in one `mlflow ui`. A store moved or copied
+with its runs folder has the artifact locations and run URLs it recorded rewritten when it opens
+(`tasks.tracking.relocate`).
 
 The loss a run optimises is in its metric names: `loss/total` and `train/loss` of the trainer are
 logged as `loss/<type>` and `train/loss_<type>` (`sdpo`, `grpo`, `blend`), so curves of two
@@ -27,6 +29,7 @@ from typing import Any
 
 from storage.credentials import check_record
 from tasks.config import RunConfig, flatten, to_dict
+from tasks.tracking.relocate import artifacts_uri, relocate_store
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +51,7 @@ STEP_MARKER = "tracking/step"  # logged last in each step's batch: the step is i
 CHANGES_TAG = "sdpo.config_changes"  # how many accepted config changes are recorded as tags
 _BATCH_LIMIT = 1000  # MLflow's limit on metrics per log_batch
 SAMPLES_DIR = "samples"  # the MLflow run's folder of per-step sample tables
+_RUN_NAME_CHARS = 250  # what MLflow's store keeps of a run name
 _SOURCE = Path(__file__).resolve().parents[2]  # the checkout (or installed tree) the code runs from
 
 
@@ -133,6 +137,7 @@ class Tracker:
         from mlflow.tracking import MlflowClient
 
         self.enabled = cfg.tracking.enabled
+        self.name = cfg.name
         self.uri = tracking_uri(cfg, local_root_dir=local_root_dir)
         self.ui_url = cfg.tracking.ui_url
         self.loss_type = cfg.loss.type
@@ -141,14 +146,16 @@ class Tracker:
         self.experiment_id: str | None = None
         if not self.enabled:
             return
+        db = Path(self.uri.removeprefix("sqlite:///")) if self.uri.startswith("sqlite:///") else None
+        if db is not None and db.exists():  # moved (or copied) with its runs folder?
+            moved = relocate_store(db)
+            if moved is not None:
+                logger.warning("%s", moved.describe())
         mlflow.set_tracking_uri(self.uri)
         self.client = MlflowClient(self.uri)
         experiment = self.client.get_experiment_by_name(cfg.tracking.experiment)
         if experiment is None:
-            artifact_location = None
-            if self.uri.startswith("sqlite:///"):
-                db = Path(self.uri.removeprefix("sqlite:///"))
-                artifact_location = (db.parent / "mlartifacts").resolve().as_uri()
+            artifact_location = None if db is None else artifacts_uri(db)
             experiment_id = self.client.create_experiment(
                 cfg.tracking.experiment, artifact_location=artifact_location, tags={EXPERIMENT_KIND_TAG: TRAINING_KIND}
             )
@@ -279,9 +286,11 @@ class Tracker:
             self.set_tags({CHANGES_TAG: str(i)})
 
     def record_fork(self, fork: dict[str, Any]) -> None:
-        """Tag a forked run with its parent and the iteration it started from; when the parent's MLflow
-        run is in the same experiment, link it by its id (`sdpo.parent_mlflow_run_id`) and in the
-        run's description.
+        """Tag a forked run with its parent and the iteration it started from, and name it for both
+        and the settings it changed (`fork_run_name`), so its curves are told from its parent's in
+        the UI's charts; when the parent's MLflow run is in the same experiment, link it by its id
+        (`sdpo.parent_mlflow_run_id`) and in the run's description (a link that opens the UI's
+        training view).
 
         A fork stays a top-level MLflow run, not one nested under its parent (`mlflow.parentRunId`):
         the UI's runs table collapses a parent's children, and its charts plot only the rows shown,
@@ -289,22 +298,33 @@ class Tracker:
         by an earlier version is lifted out here."""
         from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID, MLFLOW_RUN_NOTE
 
+        from storage.fork import describe_changes
+
         if not self.enabled:
             return
         tags = {PARENT_URL_TAG: fork["parent_run_url"], FORKED_AT_TAG: str(fork["iteration"])}
         parent = self.client.search_runs(
             [self.experiment_id], filter_string=f"tags.`{RUN_URL_TAG}` = '{fork['parent_run_url']}'", max_results=1
         )
-        have = self.client.get_run(self.run_id).data.tags
+        run = self.client.get_run(self.run_id)
+        have = run.data.tags
         if parent:
             info = parent[0].info
             tags[PARENT_RUN_TAG] = info.run_id
-            if MLFLOW_RUN_NOTE not in have:
-                link = f"#/experiments/{self.experiment_id}/runs/{info.run_id}"
-                tags[MLFLOW_RUN_NOTE] = f"Forked from [{info.run_name}]({link}) at iteration {fork['iteration']}."
+            link = f"#/experiments/{self.experiment_id}/runs/{info.run_id}?{TRAINING_VIEW}"
+            note = (
+                f"Forked from [{info.run_name}]({link}) at iteration {fork['iteration']}; changed: "
+                f"{describe_changes(fork)}."
+            )
+            written = have.get(MLFLOW_RUN_NOTE)
+            if written is None or written.startswith("Forked from ["):  # ours, not a description written in the UI
+                tags[MLFLOW_RUN_NOTE] = note
             if have.get(MLFLOW_PARENT_RUN_ID) == info.run_id:
                 self.client.delete_tag(self.run_id, MLFLOW_PARENT_RUN_ID)
         self.set_tags(tags)
+        name = fork_run_name(self.name, fork)
+        if run.info.run_name != name:
+            self.client.update_run(self.run_id, name=name)
 
     def set_tags(self, tags: dict[str, str]) -> None:
         """Set the run's tags, once the scanner passes them (`storage.credentials.check_record`)."""
@@ -347,6 +367,15 @@ class Tracker:
         if not self.enabled:
             return
         self.client.set_terminated(self.run_id, status=status)
+
+
+def fork_run_name(name: str, fork: dict[str, Any]) -> str:
+    """The MLflow run name of fork `name`: its name, its parent and iteration, the settings it
+    changed (cut to MLflow's limit on a run name), e.g. `demo-a1 (fork of demo at 4: loss.alpha 0.5 -> 1)`."""
+    from storage.fork import describe_changes
+
+    full = f"{name} (fork of {fork['parent']} at {fork['iteration']}: {describe_changes(fork)})"
+    return full if len(full) <= _RUN_NAME_CHARS else full[: _RUN_NAME_CHARS - 2] + "…)"
 
 
 def open_tracker(run: Any) -> Tracker:

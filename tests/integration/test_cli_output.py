@@ -7,11 +7,18 @@ line) and it is followed by the address of the experiment's training view; the p
 status lines are in the flow run's logs on the server. Then the same run under a changed config:
 the old -> new differences on one screen, no traceback; and the same run again: it is finished, so
 the command says so, prints the stored summary and publishes no second one.
+
+What a run prints carries no library chatter: no MLflow system-metrics or model-card lines, no
+ShardedTensor deprecation (a fork of the run loads its parent's training state), and a fork does not
+print its parent's iterations as its own. `sdpo eval` prints its metrics alone, `sdpo gc` with
+nothing to free names the settings to set, `--help` fits 80 columns, and each iteration leaves
+Prefect link artifacts to its checkpoint and MLflow run.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -57,7 +64,7 @@ def run_cli(args: list[str], env: dict[str, str]) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def piped(tmp_path_factory, prefect_server) -> dict[str, Any]:
     tmp = tmp_path_factory.mktemp("cli-output")
-    config = write_config(tmp, NAME)
+    config = write_config(tmp, NAME, tracking={"log_model": True, "system_metrics": True})
     env = {**os.environ, "PREFECT_API_URL": prefect_server, "PYTHONUNBUFFERED": "1", "COLUMNS": "80"}
     env.pop("FORCE_COLOR", None)
     done = run_cli(["run", str(config)], env)
@@ -127,3 +134,102 @@ def test_a_finished_run_run_again_says_so_and_publishes_no_second_summary(piped,
     client = SyncPrefectClient(prefect_server)
     key = ArtifactFilter(key=ArtifactFilterKey(any_=[f"sdpo-{NAME}-summary"]))
     assert len(client.read_artifacts(artifact_filter=key)) == 1
+
+
+CHATTER = (
+    "system metrics",  # MLflow's monitor: "Started monitoring system metrics." and its stop lines
+    "model card",  # MLflow's look-up of a hub card for a local policy
+    "license information",
+    "ShardedTensor",  # torch's FutureWarning when Megatron's checkpoint loads
+    "FutureWarning",
+    "temporary server",  # Prefect's ephemeral server
+    "Still processing items",  # Prefect's queues at exit
+)
+
+
+def test_the_runs_output_carries_no_library_chatter(piped):
+    output = piped["text"]["stdout"] + piped["text"]["stderr"]
+    assert [c for c in CHATTER if c in output] == [], output
+
+
+def test_each_iteration_links_its_checkpoint_and_mlflow_run_as_prefect_link_artifacts(piped, prefect_server):
+    from prefect.client.orchestration import SyncPrefectClient
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    from storage.layout import RunLayout
+
+    client = SyncPrefectClient(prefect_server)
+    layout = RunLayout(str(piped["config"].parent / "runs"), NAME)
+    found = {}
+    for what in ("checkpoint", "mlflow-run"):
+        key = ArtifactFilter(key=ArtifactFilterKey(any_=[f"sdpo-{NAME}-{what}"]))
+        found[what] = client.read_artifacts(artifact_filter=key)
+        assert len(found[what]) == 2, found[what]
+    # a link artifact is Prefect's markdown of one link: `[text](address)`
+    links = {what: [re.fullmatch(r"\[.+\]\((.+)\)", a.data) for a in found[what]] for what in found}
+    assert all(links["checkpoint"]) and all(links["mlflow-run"]), found
+    checkpoints = {m.group(1) for m in links["checkpoint"]}
+    assert checkpoints == {layout.checkpoint_dir(n, "policy") for n in (1, 2)}, checkpoints
+    assert all("workflowType=machine_learning" in m.group(1) for m in links["mlflow-run"])
+
+
+def test_a_fork_prints_its_own_iterations_only(piped):
+    """The fork's first iteration is its parent's: said once with what the fork changed, not
+    printed as an iteration just run; its second trains from the parent's stored training state."""
+    from typer.testing import CliRunner
+
+    from flows.cli import app
+
+    root = piped["config"].parent / "runs"
+    fork_yaml = piped["config"].parent / "piped-fork.yaml"
+    forked = CliRunner().invoke(
+        app,
+        ["fork", NAME, "--from-iteration", "1", "--name", "piped-fork", "--root", str(root)]
+        + ["--config-out", str(fork_yaml), "optimizer.lr=0.002"],
+    )
+    assert forked.exit_code == 0, forked.output
+    done = run_cli(["run", str(fork_yaml)], piped["env"])
+    assert done["rc"] == 0, done["text"]["stdout"][-3000:] + done["text"]["stderr"][-3000:]
+    err = done["text"]["stderr"]
+    assert "a fork of piped: iterations 1-1 are its parent's (optimizer.lr 0.001 -> 0.002)" in err, err
+    status = [line for line in err.splitlines() if "piped-fork: iteration " in line]
+    assert len(status) == 1 and "iteration 2/2 |" in status[0], status
+    output = done["text"]["stdout"] + err
+    assert [c for c in CHATTER if c in output] == [], output
+
+
+def test_eval_prints_its_metrics_alone(piped):
+    env = {k: v for k, v in piped["env"].items() if k != "PREFECT_API_URL"}  # Prefect's ephemeral server
+    env["PREFECT_HOME"] = str(piped["config"].parent / "prefect-home")
+    done = run_cli(["eval", str(piped["config"]), "--iteration", "1"], env)
+    assert done["rc"] == 0, done["text"]["stdout"][-3000:] + done["text"]["stderr"][-3000:]
+    lines = done["text"]["stdout"].splitlines()
+    assert lines and all(line.startswith("eval/") for line in lines), lines
+    assert done["text"]["stderr"] == "", done["text"]["stderr"]
+
+
+def test_gc_with_nothing_to_free_names_the_retention_settings(piped):
+    from typer.testing import CliRunner
+
+    from flows.cli import app
+
+    done = CliRunner().invoke(app, ["gc", NAME, "--root", str(piped["config"].parent / "runs"), "--dry-run"])
+    assert done.exit_code == 0, done.output
+    text = " ".join(done.output.split())
+    assert "would free 0.0 MiB" in text
+    assert "nothing to free: storage.retention sets no rule" in text, text
+    assert "storage.retention.resumable.last=N" in text and "storage.retention.weights.last=N" in text
+
+
+@pytest.mark.parametrize("command", ["run", "advance", "test-time", "eval"])
+def test_help_fits_80_columns_whole(command):
+    env = {**os.environ, "COLUMNS": "80", "TERMINAL_WIDTH": "80"}
+    done = run_cli([command, "--help"], env)
+    text = done["text"]["stdout"]
+    assert done["rc"] == 0 and "…" not in text, text
+    if command != "eval":
+        assert "--force-unlock " in text
+    if command in ("run", "advance"):
+        assert "--allow-config-change " in text
+    if command == "eval":
+        assert "-1 = the latest committed (LATEST)" in " ".join(text.replace("│", " ").split())

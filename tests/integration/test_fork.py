@@ -28,9 +28,10 @@ def test_a_fork_continues_its_parent_bit_for_bit_and_records_it(tmp_path, prefec
     assert refused.exit_code == 2 and "committed iterations 1..3" in refused.output
 
     child_yaml = tmp_path / "child.yaml"
-    forked = runner.invoke(
+    forked = runner.invoke(  # a setting that changes no result: the fork still continues bit for bit
         app,
-        ["fork", "parent", "--from-iteration", "2", "--name", "child", "--root", root, "--config-out", str(child_yaml)],
+        ["fork", "parent", "--from-iteration", "2", "--name", "child", "--root", root, "--config-out", str(child_yaml)]
+        + ["tracking.system_metrics=false"],
     )
     assert forked.exit_code == 0, forked.output
     child = RunLayout(root, "child")
@@ -66,10 +67,29 @@ def test_a_fork_continues_its_parent_bit_for_bit_and_records_it(tmp_path, prefec
     assert lineage.exit_code == 0 and f"forked from {parent.run_url} at iteration 2" in lineage.output
 
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
-    runs = {r.info.run_name: r for r in client.search_runs([client.get_experiment_by_name("sdpo").experiment_id])}
+    experiment = client.get_experiment_by_name("sdpo").experiment_id
+    found = client.search_runs([experiment])
+    runs = {r.data.tags["sdpo.run_url"].rsplit("/", 1)[1]: r for r in found}
+    # named for its parent and what it changed: its curves are told from its parent's in the UI's charts
+    changed = "tracking.system_metrics true -> false"
+    assert runs["child"].info.run_name == f"child (fork of parent at 2: {changed})"
+    assert runs["parent"].info.run_name == "parent"
     tags = runs["child"].data.tags
     assert tags["sdpo.parent_run_url"] == parent.run_url and tags["sdpo.forked_from_iteration"] == "2"
     # a top-level run (the UI's charts plot it without expanding the parent), linked to its parent
     assert "mlflow.parentRunId" not in tags and tags["sdpo.parent_mlflow_run_id"] == runs["parent"].info.run_id
     history = client.get_metric_history(runs["child"].info.run_id, "tracking/step")
     assert [m.step for m in history] == [0, 1, 2, 3]
+    # its description links the parent's run in the UI's training view and says what changed
+    parent_link = f"#/experiments/{experiment}/runs/{runs['parent'].info.run_id}?workflowType=machine_learning"
+    assert f"[parent]({parent_link}) at iteration 2; changed: {changed}." in tags["mlflow.note.content"]
+
+    # `sdpo compare` names the fork with what it changed, in its output and in the plot's legend
+    from tasks.tracking.compare import read_history
+
+    plot = tmp_path / "compare.png"
+    compared = runner.invoke(app, ["compare", "parent", "child", "--root", root, "--plot", str(plot)])
+    assert compared.exit_code == 0, compared.output
+    assert f"child: fork of parent at iteration 2 ({changed})" in " ".join(compared.output.split())
+    assert read_history(root, "parent").label == "parent (sdpo, seed 3)"
+    assert read_history(root, "child").label == f"child (sdpo, seed 3)\n  fork of parent at 2: {changed}"

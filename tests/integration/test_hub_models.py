@@ -173,14 +173,7 @@ def test_sdpo_run_trains_a_model_given_by_hub_id_from_the_offline_cache(hub_home
         PYTHONPATH=str(PROJECT),
         OMP_NUM_THREADS="1",
     )
-    done = subprocess.run(
-        [sys.executable, "-m", "flows.cli", "run", str(config)],
-        cwd=tmp_path,
-        env=environment,
-        capture_output=True,
-        text=True,
-        timeout=540,
-    )
+    done = _cli(["run", str(config)], tmp_path, environment, timeout=540)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
     layout = RunLayout(str(tmp_path / "runs"), "from-hub")
@@ -193,3 +186,85 @@ def test_sdpo_run_trains_a_model_given_by_hub_id_from_the_offline_cache(hub_home
     weights = hub_home / "hub" / f"models--{REPO_ID.replace('/', '--')}" / "snapshots" / COMMIT / "model.safetensors"
     stored = next(f["sha256"] for f in base["files"] if f["name"] == "model.safetensors")
     assert stored == hashlib.sha256(weights.read_bytes()).hexdigest()
+
+
+@pytest.fixture
+def fake_hub():
+    """An HTTP server answering the hub's model-info requests (`/api/models/ORG/NAME`) as the hub
+    does: the repository KNOWN exists, any other is not found (404, `X-Error-Code: RepoNotFound`).
+    Yields its address (HF_ENDPOINT)."""
+    import http.server
+    import json
+    import threading
+
+    class Hub(http.server.BaseHTTPRequestHandler):
+        def log_message(self, format, *args):  # quiet
+            pass
+
+        def do_GET(self):
+            found = self.path.split("?")[0].startswith(f"/api/models/{KNOWN}")
+            body = json.dumps({"id": KNOWN, "sha": COMMIT} if found else {"error": "Repository not found"}).encode()
+            self.send_response(200 if found else 404)
+            if not found:
+                self.send_header("X-Error-Code", "RepoNotFound")
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Hub)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+KNOWN = "tiny-org/on-the-hub"
+
+
+def _validate(tmp_path: Path, model: str, endpoint: str) -> subprocess.CompletedProcess:
+    """`sdpo validate` of a config whose model is `model`, the hub client online (no HF_HUB_OFFLINE)
+    with an empty cache and HF_ENDPOINT = `endpoint`."""
+    config = write_config(tmp_path, "on-hub", model={"path": model})
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("HF_") and k != "TRANSFORMERS_OFFLINE"}
+    environment.update(HF_HOME=str(tmp_path / "hf-home"), HF_ENDPOINT=endpoint, PYTHONPATH=str(PROJECT))
+    return _cli(["validate", str(config)], tmp_path, environment, timeout=300)
+
+
+def _cli(args: list[str], cwd: Path, environment: dict[str, str], *, timeout: float) -> subprocess.CompletedProcess:
+    """`sdpo ARGS` as a process in `cwd` with `environment`, its output captured."""
+    command = [sys.executable, "-m", "flows.cli", *args]
+    return subprocess.run(command, cwd=cwd, env=environment, capture_output=True, text=True, timeout=timeout)
+
+
+def test_validate_names_a_hub_model_it_could_not_check_in_one_warning(tmp_path):
+    """Online but the hub unreachable (nothing listens at HF_ENDPOINT): the config passes, with one
+    warning line naming the model as unchecked and what was tried."""
+    from tests.integration.conftest import _free_port
+
+    endpoint = f"http://127.0.0.1:{_free_port()}"
+    done = _validate(tmp_path, "nobody-org/no-such-model", endpoint)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    warnings = [line for line in done.stderr.splitlines() if "WARNING" in line]
+    assert len(warnings) == 1, done.stderr
+    assert "model.path='hf://nobody-org/no-such-model' is unchecked" in warnings[0]
+    assert f"asked {endpoint}/api/models/nobody-org/no-such-model" in warnings[0]
+    assert "name: on-hub" in done.stdout
+
+
+def test_validate_fails_on_a_hub_model_the_hub_does_not_know(tmp_path, fake_hub):
+    done = _validate(tmp_path, "nobody-org/no-such-model@v2", fake_hub)
+    assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-3000:]
+    text = " ".join(done.stderr.split())
+    assert "model.path='hf://nobody-org/no-such-model@v2': the hub has no such model or revision" in text
+    assert f"asked {fake_hub}/api/models/nobody-org/no-such-model/revision/v2" in text
+    assert "Traceback" not in done.stderr
+
+
+def test_validate_passes_a_hub_model_the_hub_knows_without_a_warning(tmp_path, fake_hub):
+    done = _validate(tmp_path, KNOWN, fake_hub)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert "WARNING" not in done.stderr, done.stderr

@@ -1,10 +1,14 @@
-"""The `mlflow ui` comparison of docs/operating.md in a real browser: an SDPO run and its GRPO baseline under one
-storage root land in the root's one MLflow store; headless Chromium (Debian's `chromium` and
-`chromium-driver`, installed by `make test`) driven by Selenium opens the MLflow UI on that store,
-the page comparing the two runs, and the comparison of their `eval/greedy_accuracy`, where both
-runs must be plotted. With a fork of the SDPO run beside them, the run link the pipeline writes
-opens in the UI's training view, the experiment's runs table there lists the fork as a run of its
-own (not folded under its parent), and the fork's line is in the charts without expanding anything.
+"""The MLflow comparison of docs/operating.md in a real browser: an SDPO run, its GRPO baseline and a
+fork of the SDPO run under one storage root land in the root's one MLflow store. The runs folder is
+then moved elsewhere, and `sdpo mlflow-ui` starts the UI on it at a port of its own, saying that it
+rewrote the store's artifact locations. Headless Chromium (Debian's `chromium` and `chromium-driver`,
+installed by `make test`) driven by Selenium, its localStorage empty as a new browser's (where MLflow
+3.17's UI keeps its GenAI / Model training toggle, GenAI by default), opens every link the pipeline
+prints or stores: the experiment's runs (printed by `sdpo mlflow-ui` and `sdpo run`), a run (the
+Prefect artifacts' link) and the parent a fork's description links to; each lands on the training
+view at that port. The moved run's artifacts are listed; the runs table lists the fork as a run of
+its own (not folded under its parent), named with the setting it changed, and its line is in the
+charts without expanding anything; the comparison of two runs plots `eval/greedy_accuracy` for both.
 
 The screenshots are kept as test artifacts: under the test's tmp dir and copied to
 tests/artifacts/mlflow-compare*.png (git-ignored).
@@ -61,11 +65,31 @@ def _keep(driver, tmp_path: Path, name: str) -> None:
     shutil.copy(shot, ARTIFACTS / name)
 
 
-def test_mlflow_ui_compares_an_sdpo_run_with_its_grpo_baseline(tmp_path, prefect_server):
+def _training_view(driver, what: str) -> None:
+    """The page shows the UI's training chrome (its sidebar's "Model registry"), not the GenAI one
+    (whose sidebar has "Observability" and "Playground"), and its address says so."""
+    body = lambda d: d.find_element("tag name", "body").text  # noqa: E731
+    _wait(
+        driver, lambda d: "Model registry" in body(d) and "Observability" not in body(d), f"{what}: the training view"
+    )
+    assert "workflowType=machine_learning" in driver.current_url, driver.current_url
+
+
+def _fresh(driver, link: str) -> None:
+    """Open `link` with the UI's localStorage as a new browser has it (no workflow chosen)."""
+    driver.get(link.split("#")[0])
+    driver.execute_script("window.localStorage.clear()")
+    driver.get(link)
+    driver.refresh()  # a page load, not the single-page app's navigation: its state read afresh
+
+
+def test_mlflow_ui_opens_every_link_on_the_training_view_after_the_runs_folder_moved(tmp_path, prefect_server):
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 
+    from flows.cli.tracking import ui_commands
     from flows.run import sdpo_run
+    from tasks.config import load_config
 
     # both runs under one root with the default tracking store: <root>/mlflow.db
     for name, loss in (("ui-sdpo", "sdpo"), ("ui-grpo", "grpo")):
@@ -85,33 +109,19 @@ def test_mlflow_ui_compares_an_sdpo_run_with_its_grpo_baseline(tmp_path, prefect
     )
     assert forked.exit_code == 0, forked.output
     sdpo_run(str(fork_yaml), [])
+    fork_name = "ui-fork (fork of ui-sdpo at 1: iterations 1 -> 2; optimizer.lr 0.001 -> 0.002)"
 
+    # the runs folder moves, with its store and artifacts; the UI starts on a port of its own
+    moved = tmp_path / "elsewhere" / "runs"
+    shutil.move(tmp_path / "runs", moved)
     from mlflow.tracking import MlflowClient
 
-    store = f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}"
-    client = MlflowClient(store)
-    experiment = client.get_experiment_by_name("sdpo").experiment_id
-    everything = {r.info.run_name: r.info.run_id for r in client.search_runs([experiment])}
-    assert set(everything) == {"ui-sdpo", "ui-grpo", "ui-fork"}
-    runs = {name: everything[name] for name in ("ui-sdpo", "ui-grpo")}
-
+    store = f"sqlite:///{moved / 'mlflow.db'}"
     port = _free_port()
+    log = tmp_path / "mlflow-ui.log"
     ui = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "mlflow",
-            "ui",
-            "--backend-store-uri",
-            store,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--workers",
-            "1",
-        ],
-        stdout=(tmp_path / "mlflow-ui.log").open("wb"),
+        [sys.executable, "-m", "flows.cli", "mlflow-ui", "--root", str(moved), "--port", str(port)],
+        stdout=log.open("wb"),
         stderr=subprocess.STDOUT,
         start_new_session=True,
     )
@@ -128,9 +138,25 @@ def test_mlflow_ui_compares_an_sdpo_run_with_its_grpo_baseline(tmp_path, prefect
     driver = None
     try:
         base = f"http://127.0.0.1:{port}"
-        wait_healthy(f"{base}/health", ui, tmp_path / "mlflow-ui.log", timeout=120)
+        wait_healthy(f"{base}/health", ui, log, timeout=120)
+        client = MlflowClient(store)
+        experiment = client.get_experiment_by_name("sdpo").experiment_id
+        everything = {r.data.tags["sdpo.run_url"].rsplit("/", 1)[1]: r for r in client.search_runs([experiment])}
+        assert set(everything) == {"ui-sdpo", "ui-grpo", "ui-fork"}
+        assert everything["ui-fork"].info.run_name == fork_name
+        ids = {name: run.info.run_id for name, run in everything.items()}
+        printed = log.read_text()
+        assert f"was moved from {tmp_path / 'runs'}: rewrote" in printed, printed
+        experiment_link = f"{base}/#/experiments/{experiment}/runs?workflowType=machine_learning"
+        assert f"experiment sdpo: {experiment_link}" in printed, printed
+        # what `sdpo run` prints for a UI on this port (tracking.ui_url) is the same address
+        cfg = load_config(fork_yaml, [f"tracking.ui_url={base}", f"storage.root={moved}"])
+        assert ui_commands(cfg, experiment) == [
+            f"sdpo mlflow-ui --root {moved} --port {port}",
+            f"then open {experiment_link}",
+        ]
+
         driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
-        ids = json.dumps(list(runs.values()))
         body = lambda d: d.find_element("tag name", "body").text  # noqa: E731
         drawn = lambda d: [  # noqa: E731  the lines plotly drew: a path through at least two points
             p.get_attribute("d")
@@ -138,22 +164,34 @@ def test_mlflow_ui_compares_an_sdpo_run_with_its_grpo_baseline(tmp_path, prefect
             if "L" in (p.get_attribute("d") or "")
         ]
 
-        # the run page the pipeline links to (Prefect artifacts) opens in the training view, and so
-        # does the experiment from there: the runs, the fork one of them beside its parent (not
-        # folded under it), and its curve in the charts without expanding anything
+        # the experiment's runs: every run, the fork one of them beside its parent (not folded under it)
+        _fresh(driver, experiment_link)
+        _training_view(driver, "the printed experiment link")
+        _wait(driver, lambda d: all(n in body(d) for n in ("ui-sdpo", "ui-grpo", "fork of ui-sdpo")), "every run")
+        _keep(driver, tmp_path, "mlflow-training-view.png")
+
+        # a run (the Prefect artifacts' link): its artifacts found where the folder moved to
         from flows.artifacts import mlflow_run_link
 
-        fork_id = everything["ui-fork"]
+        fork_id = ids["ui-fork"]
         link = mlflow_run_link(SimpleNamespace(enabled=True, ui_url=base, experiment_id=experiment, run_id=fork_id))
-        driver.get(link)
-        _wait(driver, lambda d: "ui-fork" in body(d) and "Model metrics" in body(d), "the fork's run page")
+        _fresh(driver, link)
+        _training_view(driver, "the run link of the Prefect artifacts")
+        _wait(driver, lambda d: "Model metrics" in body(d), "the fork's run page")
         _keep(driver, tmp_path, "mlflow-fork-run.png")
-        driver.get(link.replace(f"/runs/{fork_id}", ""))
-        _wait(driver, lambda d: all(n in body(d) for n in everything), "every run in the training view's table")
-        assert f"/experiments/{experiment}/runs" in driver.current_url, driver.current_url
-        assert "workflowType=machine_learning" in driver.current_url, driver.current_url
-        _keep(driver, tmp_path, "mlflow-training-view.png")
-        driver.get(driver.current_url + "&compareRunsMode=CHART")
+        driver.get(link.replace("?", "/artifacts?"))
+        _wait(driver, lambda d: "summary.json" in body(d) and "config.json" in body(d), "the moved run's artifacts")
+
+        # the link in the fork's description opens its parent, in the training view too
+        _fresh(driver, link)
+        _wait(driver, lambda d: "Forked from" in body(d), "the fork's description")
+        parent_link = driver.find_element("link text", "ui-sdpo").get_attribute("href")
+        assert parent_link.startswith(f"{base}/#/experiments/{experiment}/runs/{ids['ui-sdpo']}"), parent_link
+        _fresh(driver, parent_link)
+        _training_view(driver, "the parent link of the fork's description")
+
+        # the fork's line in the charts, named with what it changed, beside its parent's and the baseline's
+        _fresh(driver, experiment_link + "&compareRunsMode=CHART")
         search = _wait(
             driver,
             lambda d: d.find_elements("css selector", "input[placeholder='Search metric charts']"),
@@ -162,12 +200,13 @@ def test_mlflow_ui_compares_an_sdpo_run_with_its_grpo_baseline(tmp_path, prefect
         search.send_keys(METRIC)  # the one chart of the metric: a line for each of the three runs
         _wait(
             driver,
-            lambda d: len(drawn(d)) >= 3 and f"ui-fork ({METRIC})" in body(d),
+            lambda d: len(drawn(d)) >= 3 and "fork of ui-sdpo" in body(d),
             f"the fork's line in the {METRIC} chart, beside its parent's and the baseline's",
         )
         _keep(driver, tmp_path, "mlflow-training-charts.png")
 
-        driver.get(f"{base}/#/compare-runs?runs={ids}&experiments={json.dumps([experiment])}")
+        pair = json.dumps([ids["ui-sdpo"], ids["ui-grpo"]])
+        driver.get(f"{base}/#/compare-runs?runs={pair}&experiments={json.dumps([experiment])}")
         _wait(driver, lambda d: "Comparing 2 Runs" in body(d) and "ui-grpo" in body(d), "the comparison page")
         _wait(driver, lambda d: METRIC in body(d), f"{METRIC} on the comparison page")
         assert "ui-sdpo" in body(driver)
@@ -175,7 +214,7 @@ def test_mlflow_ui_compares_an_sdpo_run_with_its_grpo_baseline(tmp_path, prefect
 
         keys = quote(json.dumps([METRIC]))
         driver.get(
-            f"{base}/#/metric?runs={ids}&metric={quote(json.dumps(METRIC))}&experiments={json.dumps([experiment])}&plot_metric_keys={keys}"
+            f"{base}/#/metric?runs={pair}&metric={quote(json.dumps(METRIC))}&experiments={json.dumps([experiment])}&plot_metric_keys={keys}"
         )
         legend = f"({METRIC})"
         _wait(

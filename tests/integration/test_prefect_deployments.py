@@ -80,8 +80,9 @@ def test_scheduled_deployment_recovers_from_a_killed_worker_and_stops_when_done(
     states = [wait_for(f"flow run {i} to end", lambda i=i: final(i), timeout=400, logs=logs) for i in (first, second)]
     assert sorted(s.type.value for s in states) == ["CANCELLED", "COMPLETED"], [(s.type, s.message) for s in states]
     assert read_latest(layout) == 1
-    done = first if states[0].is_completed() else second
+    done, overlapped = (first, second) if states[0].is_completed() else (second, first)
     assert client.read_flow_run(done).name == "sched/iter-0001"
+    assert client.read_flow_run(overlapped).name == "sched/overlapped"  # not Prefect's generated name
 
     # the schedule on; kill the worker and the flow run's process in the middle of iteration 2
     (schedule,) = client.read_deployment_schedules(deployment.id)

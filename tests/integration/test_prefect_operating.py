@@ -3,11 +3,13 @@ with process workers.
 
 - A scheduled `sdpo-advance` deployment whose run is finished pauses its schedule and keeps the
   schedule's parameters; `sdpo resume-schedule` resumes it on the same run, never the deployment's
-  default one. The skipping tick is Completed under Prefect's own state name, which the UI's default
-  run filter shows. The worker alone names the checkout (SDPO_REPO_DIR, unset where `prefect deploy`
+  default one; a schedule whose parameters Prefect's toggle cleared is refused, naming the parameter
+  that restores it. The skipping tick is Completed under Prefect's own state name, which the UI's
+  default run filter shows; no library chatter reaches the worker's log. The worker alone names the checkout (SDPO_REPO_DIR, unset where `prefect deploy`
   ran) and the schedule's relative `config_path` resolves against it.
 - SDPO_REPO_DIR is read on the worker: the deploying machine's path does not travel with the
-  deployment, and a worker without it ends the flow run with an error naming the variable.
+  deployment, and a worker without it ends the flow run with an error naming the variable, the flow
+  run named after its config.
 - A second `sdpo-run` request queued behind the one that finishes the run ends Completed as
   `<run>/skipped` and publishes no second summary; a run another live writer holds ends Cancelled.
 """
@@ -49,7 +51,14 @@ def test_a_finished_schedule_pauses_with_its_parameters_and_resumes_on_the_same_
     from storage.manifest import read_latest
 
     checkout = tmp_path / "checkout"  # the worker's SDPO_REPO_DIR, holding the config the schedule names
-    write_config(checkout / "configs", "sched", root="runs", iterations=1, eval={"enabled": False, "every": 0})
+    write_config(
+        checkout / "configs",
+        "sched",
+        root="runs",
+        iterations=1,
+        eval={"enabled": False, "every": 0},
+        tracking={"log_model": True, "system_metrics": True},
+    )
     params = {"config_path": "configs/sched.yaml"}
     worker_log = tmp_path / "worker.log"
     logs = [worker_log, tmp_path / "server.log"]
@@ -87,9 +96,20 @@ def test_a_finished_schedule_pauses_with_its_parameters_and_resumes_on_the_same_
     assert f"paused 1 schedule(s) of deployment {ADVANCE}, their parameters kept" in skip.state.message
     assert f"sdpo resume-schedule {ADVANCE}" in skip.state.message
 
+    # the schedule's toggle in Prefect's UI sends `active` alone, which clears its parameters:
+    # `sdpo resume-schedule` then refuses it, naming the parameter its last tick ran with
+    client.update_deployment_schedule(deployment.id, schedule.id, active=False)
+    assert schedules()[0].parameters == {}
+    refused = sdpo_cli(prefect, "resume-schedule", ADVANCE)
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    said = " ".join(refused.stderr.split())
+    assert f"schedule {schedule.id} has no parameters of its own" in said and "not resumed" in said, said
+    assert f"sdpo resume-schedule {ADVANCE} --param config_path=configs/sched.yaml" in said, said
+    assert not schedules()[0].active
+
     # resumed as the docs say: the schedule carries its parameters, and its next tick is this run's
     resumed_at = dt.datetime.now(dt.UTC)
-    done = sdpo_cli(prefect, "resume-schedule", ADVANCE)
+    done = sdpo_cli(prefect, "resume-schedule", ADVANCE, "--param", "config_path=configs/sched.yaml")
     assert done.returncode == 0, done.stdout + done.stderr
     assert "config_path='configs/sched.yaml'" in done.stdout, done.stdout
     assert schedules()[0].active or skipped_after(resumed_at)  # (a fast tick may have paused it again)
@@ -101,6 +121,16 @@ def test_a_finished_schedule_pauses_with_its_parameters_and_resumes_on_the_same_
     assert {r.parameters.get("config_path") for r in flow_runs(client, deployment.id)} == {"configs/sched.yaml"}
     assert read_latest(RunLayout(str(checkout / "runs"), "sched")) == 1
     assert sorted(p.name for p in (checkout / "runs").iterdir()) == ["sched"]
+
+    # the ticks Prefect cancelled because another was running (CANCEL_NEW) are named for their run
+    def unnamed() -> list[Any]:
+        ended = [r for r in flow_runs(client, deployment.id) if r.state is not None and r.state.is_final()]
+        return [(r.name, r.state.message) for r in ended if "/" not in r.name]
+
+    wait_for("every tick to carry its run's name", lambda: not unnamed(), timeout=60, logs=logs)
+    # the flow runs' output in the worker's log carries no library chatter
+    chatter = ("system metrics", "model card", "license information", "ShardedTensor", "FutureWarning")
+    assert [c for c in chatter if c in worker_log.read_text()] == [], worker_log.read_text()[-5000:]
 
 
 def test_the_checkout_is_read_on_the_worker_and_named_when_it_is_missing(tmp_path: Path, prefect: Prefect) -> None:
@@ -119,8 +149,10 @@ def test_the_checkout_is_read_on_the_worker_and_named_when_it_is_missing(tmp_pat
     prefect.start(WORKER, worker_log, cwd=tmp_path, unset=["SDPO_REPO_DIR"])
     flow_run_id = run_id_of(prefect.cli("deployment", "run", ADVANCE))
     state = wait_for("the flow run to end", lambda: final_state(client, flow_run_id), timeout=300, logs=[worker_log])
-    # on the flow run itself, where an operator looks: its state and its logs
+    # on the flow run itself, where an operator looks: its state, its name (its config's, as the
+    # config cannot be read without the checkout) and its logs
     assert state.is_failed(), state
+    assert client.read_flow_run(flow_run_id).name == "demo/no-checkout"
     logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
     for said in (state.message, "\n".join(log.message for log in logs)):
         assert "SDPO_REPO_DIR is not set where this flow run started" in said, said

@@ -25,6 +25,7 @@ runner = CliRunner()
         "prepare-data",
         "view",
         "resume-schedule",
+        "mlflow-ui",
     ],
 )
 def test_every_command_has_help(command):

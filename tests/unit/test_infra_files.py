@@ -166,6 +166,19 @@ def test_the_deployments_find_their_checkout_on_the_worker_when_the_flow_run_sta
     assert enter(**inputs) == {"directory": str(tmp_path)} and Path.cwd() == tmp_path
 
 
+def test_every_schedule_the_deployments_create_names_its_run_in_parameters_of_its_own():
+    """A schedule without parameters of its own ticks with the deployment's defaults: after a
+    toggle that cleared them it would advance another run, unnoticed; `sdpo resume-schedule`
+    refuses such a schedule, and none is created that way."""
+    deployments = yaml.safe_load((INFRA / "prefect" / "prefect.yaml").read_text())["deployments"]
+    schedules = [(d["name"], s) for d in deployments for s in d.get("schedules", [])]
+    assert schedules  # the scheduled sdpo-advance deployment
+    for name, schedule in schedules:
+        deployment = next(d for d in deployments if d["name"] == name)
+        assert set(schedule.get("parameters", {})) == set(deployment["parameters"]), (name, schedule)
+        assert (REPO / schedule["parameters"]["config_path"]).is_file(), schedule
+
+
 # --------------------------------------------------------------------------- Prefect work pools
 
 

@@ -211,14 +211,52 @@ def test_a_fork_is_a_top_level_run_linked_to_its_parent(tmp_path):
     parent = Tracker(_cfg(tmp_path, name="parent"), f"file://{root}/parent", local_root_dir=root)
     child = Tracker(_cfg(tmp_path, name="child"), f"file://{root}/child", local_root_dir=root)
     child.set_tags({"mlflow.parentRunId": parent.run_id})  # as an earlier version nested it
-    child.record_fork({"parent_run_url": f"file://{root}/parent", "iteration": 2})
+    fork = {"parent": "parent", "parent_run_url": f"file://{root}/parent", "iteration": 2}
+    child.record_fork({**fork, "changes": [["loss.alpha", 0.5, 1.0]]})
     tags = child.client.get_run(child.run_id).data.tags
     assert "mlflow.parentRunId" not in tags
     assert tags["sdpo.parent_mlflow_run_id"] == parent.run_id
     assert tags["sdpo.parent_run_url"] == f"file://{root}/parent" and tags["sdpo.forked_from_iteration"] == "2"
+    # the description's link opens the parent in the UI's training view, whatever port the UI is on
     assert (
-        f"[parent](#/experiments/{child.experiment_id}/runs/{parent.run_id}) at iteration 2"
-        in tags["mlflow.note.content"]
+        f"Forked from [parent](#/experiments/{child.experiment_id}/runs/{parent.run_id}?workflowType=machine_learning) at "
+        "iteration 2; changed: loss.alpha 0.5 -> 1.0." == tags["mlflow.note.content"]
     )
     top_level = child.client.search_runs([child.experiment_id], filter_string="tags.`mlflow.parentRunId` IS NULL")
-    assert {r.info.run_name for r in top_level} == {"parent", "child"}
+    # the fork's name tells its curves from its parent's in the charts' legend
+    assert {r.info.run_name for r in top_level} == {"parent", "child (fork of parent at 2: loss.alpha 0.5 -> 1.0)"}
+    child.record_fork(fork)  # a fork.json of a version that did not record the changes
+    assert (
+        child.client.get_run(child.run_id).info.run_name == "child (fork of parent at 2: its changes are not recorded)"
+    )
+
+
+def test_a_store_moved_with_its_runs_folder_finds_its_runs_and_their_artifacts(tmp_path, caplog):
+    """The store records absolute places (artifact locations, the SDPO run's URL): opened where the
+    runs folder was copied (or moved) to, it rewrites them, says so, and goes on with the same run."""
+    import shutil
+
+    old, new = tmp_path / "a", tmp_path / "b"
+    first = Tracker(_cfg(old, name="demo"), f"file://{old}/runs/demo", local_root_dir=old / "runs")
+    (tmp_path / "notes.txt").write_text("kept")
+    first.log_artifact(tmp_path / "notes.txt")
+    first.finish()
+    shutil.copytree(old / "runs", new / "runs")  # a copy: the original stays where it was
+    again = Tracker(_cfg(new, name="demo"), f"file://{new}/runs/demo", local_root_dir=new / "runs")
+    assert again.run_id == first.run_id  # found by its run URL: no second MLflow run
+    run = again.client.get_run(again.run_id)
+    assert run.info.artifact_uri == f"{(new / 'runs' / 'mlartifacts').as_uri()}/{again.run_id}/artifacts"
+    assert [a.path for a in again.client.list_artifacts(again.run_id)] == ["notes.txt"]
+    assert again.client.get_experiment(again.experiment_id).artifact_location == (new / "runs" / "mlartifacts").as_uri()
+    said = [r.getMessage() for r in caplog.records if "was moved from" in r.getMessage()]
+    assert said == [
+        f"MLflow store {new / 'runs' / 'mlflow.db'} was moved from {old / 'runs'}: rewrote 3 artifact locations "
+        f"and run URLs to {new / 'runs'}"
+    ], said
+    # once: the next opening finds it where it is
+    Tracker(_cfg(new, name="demo"), f"file://{new}/runs/demo", local_root_dir=new / "runs")
+    assert len([r for r in caplog.records if "was moved from" in r.getMessage()]) == 1
+    # the original's store is untouched
+    original = Tracker(_cfg(old, name="demo"), f"file://{old}/runs/demo", local_root_dir=old / "runs")
+    assert original.run_id == first.run_id
+    assert original.client.get_run(first.run_id).info.artifact_uri.startswith((old / "runs" / "mlartifacts").as_uri())
