@@ -153,3 +153,27 @@ def stored_base_info(layout: Any) -> dict[str, Any]:
     info: dict[str, Any] = {"source": parent.get("external", parent.get("path"))}
     metadata = manifest.data.get("metadata", {})
     return {**info, **{k: v for k, v in metadata.items() if k != "bootstrap"}, **metadata.get("bootstrap", {})}
+
+
+def ship_base_model(argv: list[str]) -> None:
+    """Bootstrap the base model of a config (under a scratch cache) and ship it with the product
+    (`tasks.data.shipped_base`): `python -m tasks.prepare_base CONFIG`."""
+    import tempfile
+
+    from tasks.config import load_config
+    from tasks.data.shipped_base import write_shipped
+
+    if len(argv) != 1:
+        raise SystemExit("usage: python -m tasks.prepare_base CONFIG")
+    with tempfile.TemporaryDirectory() as cache:
+        cfg = load_config(argv[0], [f"storage.cache_dir={cache}"])
+        run = Run(layout=None, cfg=cfg)  # materialise_base reads the config alone, not the store
+        key = bootstrap_cache_dir(run).name
+        folder, _ = materialise_base(run, use_shipped=False)
+        print(write_shipped(folder, key))
+
+
+if __name__ == "__main__":
+    import sys
+
+    ship_base_model(sys.argv[1:])

@@ -194,12 +194,27 @@ def verify(
         raise typer.Exit(1)
 
 
+def recorded_digests(tracking_uri: str, experiment: str, run_url: str) -> tuple[str, dict[str, str]] | None:
+    """(MLflow run id, the digests it records) of the SDPO run at `run_url`, or None when the tracking
+    store holds no such run. Reads only."""
+    from mlflow.tracking import MlflowClient
+
+    from tasks.tracking.anchor import recorded_in
+    from tasks.tracking.experiment import RUN_URL_TAG
+
+    client = MlflowClient(tracking_uri)
+    found = client.get_experiment_by_name(experiment)
+    if found is None:
+        return None
+    runs = client.search_runs([found.experiment_id], filter_string=f"tags.`{RUN_URL_TAG}` = '{run_url}'", max_results=1)
+    return None if not runs else (runs[0].info.run_id, recorded_in(runs[0].data.tags))
+
+
 def _anchors(layout: Any, tracking_uri: str | None) -> list[tuple[str, str]]:
     """Say what anchors the run's audit trail (its MLflow run's recorded digests, the signing key, or
     nothing) and return the manifests that depart from them, first edited first."""
     from storage import anchor
     from storage.departures import departures
-    from tasks.tracking.anchor import recorded_digests
 
     if not layout.store.exists(layout.run_json):
         return []  # verify_run reports the missing run

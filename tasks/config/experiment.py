@@ -90,7 +90,7 @@ class ModelConfig(Section):
         if self.path and self.preset:
             raise ValueError(f"set model.path ({self.path!r}) or model.preset ({self.preset!r}), not both")
         if self.path and self.path.startswith("hf://"):
-            from tasks.hub import hub_model
+            from tasks.config.hub_ids import hub_model
 
             hub_model(self.path)  # a malformed hf:// URL fails here, when the config loads
         return self

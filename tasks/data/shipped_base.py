@@ -10,7 +10,7 @@ checked against its digest, instead of warming up a model; any other settings bo
 
 When the warm-up or the demo's settings change, write the folder again:
 
-    .venv/bin/python -m tasks.data.shipped_base configs/demo.yaml
+    .venv/bin/python -m tasks.prepare_base configs/demo.yaml
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import shutil
-import sys
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -63,25 +62,3 @@ def write_shipped(folder: Path, key: str) -> Path:
         shutil.copyfile(folder / name, out / name)
     (out / SUMS).write_text("".join(f"{_digest(out / name)}  {name}\n" for name in names))
     return out
-
-
-def main(argv: list[str]) -> None:
-    """Bootstrap the base model of a config (under a scratch cache) and ship it."""
-    import tempfile
-
-    from tasks.config import load_config
-    from tasks.prepare_base import bootstrap_cache_dir, materialise_base
-    from tasks.runtime import Run
-
-    if len(argv) != 1:
-        raise SystemExit("usage: python -m tasks.data.shipped_base CONFIG")
-    with tempfile.TemporaryDirectory() as cache:
-        cfg = load_config(argv[0], [f"storage.cache_dir={cache}"])
-        run = Run(layout=None, cfg=cfg)  # type: ignore[arg-type]  # materialise_base reads the config alone
-        key = bootstrap_cache_dir(run).name
-        folder, _ = materialise_base(run, use_shipped=False)
-        print(write_shipped(folder, key))
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])

@@ -6,7 +6,7 @@ opens the run, each stage's manifest as the stage hands it to the flow, each ite
 commit returns, each evaluation's as it ends. Tags are one small write each, and a resume reads them
 all in one request. `RunAnchor.open` checks the store against them before the run goes on
 (`storage.anchored.adopt_recorded`) and registers them, so that every manifest this process reads is
-checked too (`storage.anchor`); `recorded_digests` finds them for `sdpo verify`.
+checked too (`storage.anchor`); `sdpo verify` reads them (`flows.cli.audit`).
 
 With tracking off there is nothing to record; a signing key (`SDPO_SIGNING_KEY`) still anchors every
 manifest (`storage.anchor`).
@@ -26,7 +26,8 @@ logger = logging.getLogger(__name__)
 TAG = "sdpo.anchor/"
 
 
-def _digests(tags: Mapping[str, str]) -> dict[str, str]:
+def recorded_in(tags: Mapping[str, str]) -> dict[str, str]:
+    """The manifest digests an MLflow run's tags record, by run-relative path."""
     return {key[len(TAG) :]: value for key, value in tags.items() if key.startswith(TAG)}
 
 
@@ -51,7 +52,7 @@ class RunAnchor:
 
         if not self.enabled:
             return
-        recorded = _digests(self.tracker.client.get_run(self.tracker.run_id).data.tags)
+        recorded = recorded_in(self.tracker.client.get_run(self.tracker.run_id).data.tags)
         if not recorded:
             logger.info("run %s: recording the digests of its manifests in its MLflow run", self.layout.run_name)
         keep = adopt_recorded(self.layout, recorded)
@@ -69,18 +70,3 @@ class RunAnchor:
     def computing(self, path: str) -> None:
         """The manifest at `path` is absent and about to be computed again: its old digest no longer holds."""
         anchor.unrecord(self.layout.run_url, path)
-
-
-def recorded_digests(tracking_uri: str, experiment: str, run_url: str) -> tuple[str, dict[str, str]] | None:
-    """(MLflow run id, the digests it records) of the SDPO run at `run_url`, or None when the tracking
-    store holds no such run. Reads only."""
-    from mlflow.tracking import MlflowClient
-
-    from tasks.tracking.experiment import RUN_URL_TAG
-
-    client = MlflowClient(tracking_uri)
-    found = client.get_experiment_by_name(experiment)
-    if found is None:
-        return None
-    runs = client.search_runs([found.experiment_id], filter_string=f"tags.`{RUN_URL_TAG}` = '{run_url}'", max_results=1)
-    return None if not runs else (runs[0].info.run_id, _digests(runs[0].data.tags))

@@ -23,7 +23,7 @@ def _key(*overrides: str) -> str:
 def test_the_demo_config_has_its_base_model_shipped_and_nothing_else_does():
     """A change to the demo's settings (or to the key) that is not shipped again fails here; the
     module doc names the command that ships it."""
-    assert shipped_folder(_key()) is not None, "run `.venv/bin/python -m tasks.data.shipped_base configs/demo.yaml`"
+    assert shipped_folder(_key()) is not None, "run `.venv/bin/python -m tasks.prepare_base configs/demo.yaml`"
     assert shipped_folder(_key("seed=1")) is None
     assert shipped_folder(_key("model.bootstrap.warmup_steps=401")) is None
     assert [p.name for p in SHIPPED.iterdir()] == [_key()]
