@@ -14,7 +14,8 @@ What every stage commits is what the sequential loop commits, byte for byte: the
 for commit(n) before their own manifests, and train(n+1) starts after it.
 
 On with `launch.overlap_commits` when every stage that reads checkpoints runs in this process
-(in-process rollout, teacher and train launchers) and the run is on-policy
+(in-process rollout, teacher and train launchers) with weights it can take from memory (the
+embedded rollout engine: SGLang servers load checkpoints from folders) and the run is on-policy
 (`pipeline.max_staleness` 0, whose prefetching process reads the store). The last iteration
 trains and commits before the run ends.
 """
@@ -36,7 +37,12 @@ logger = logging.getLogger(__name__)
 def overlap_enabled(cfg: Any) -> bool:
     """Whether `cfg`'s iterations may overlap their commits (see the module doc)."""
     launchers = {getattr(cfg.launch, stage).launcher for stage in ("rollout", "teacher", "train")}
-    return bool(cfg.launch.overlap_commits) and launchers == {"inprocess"} and cfg.pipeline.max_staleness == 0
+    return (
+        bool(cfg.launch.overlap_commits)
+        and launchers == {"inprocess"}
+        and cfg.rollout.engine == "embedded"
+        and cfg.pipeline.max_staleness == 0
+    )
 
 
 class CommitOverlap:

@@ -28,7 +28,8 @@ def run_commit(root: str, run_name: str, iteration: int, handed: Mapping[str, st
     """
     from storage.adopt import adopt_commit_inputs, adopt_iteration_manifest
     from storage.checkpoints import checkpoint_exists
-    from storage.manifest import commit_iteration, iteration_committed, read_latest
+    from storage.layout import CHECKPOINT_KINDS
+    from storage.manifest import commit_iteration, iteration_committed, read_latest, read_stage_manifest
     from tasks.runtime import open_run
 
     run = open_run(root, run_name)
@@ -37,5 +38,13 @@ def run_commit(root: str, run_name: str, iteration: int, handed: Mapping[str, st
             adopt_iteration_manifest(run.layout, iteration)
         return commit_iteration(run.layout, iteration, metrics={})
     stages = adopt_commit_inputs(run.layout, iteration, stages=STAGES, handed=handed)
-    kinds = [kind for kind in ("policy", "teacher", "megatron") if checkpoint_exists(run.layout, iteration, kind)]
+    # the checkpoints of this iteration its train stage names: a full state saved before the run's
+    # end is named by the next train stage, whichever process saved it (tasks/train.py)
+    named = {ref["path"] for ref in read_stage_manifest(run.layout, iteration, "train").data["parents"]}
+    kinds = [
+        kind
+        for kind in CHECKPOINT_KINDS
+        if run.layout.relative(run.layout.checkpoint_manifest(iteration, kind)) in named
+        and checkpoint_exists(run.layout, iteration, kind)
+    ]
     return commit_iteration(run.layout, iteration, metrics=iteration_metrics(stages), checkpoints=kinds)

@@ -40,6 +40,11 @@ def get_engine(
     architecture and tokenizer only."""
     from tasks import kept_weights
 
+    if weights is not None and rollout.engine != "embedded":
+        raise ValueError(
+            f"rollout.engine={rollout.engine!r} loads checkpoints from folders: weights handed over in memory "
+            "cannot reach its servers (pipelined commits need rollout.engine='embedded')"
+        )
     key = (cache_key, rollout.engine)
     engine = _ENGINES.get(key)
     if engine is None:

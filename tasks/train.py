@@ -244,17 +244,17 @@ def run_train(root: str, run_name: str, iteration: int) -> dict | None:
             if mdir is not None:
                 if world > 1:
                     check_shared(tmp_path, world)
-                produced.append(
-                    upload_checkpoint(
-                        mdir,
-                        run.layout,
-                        iteration,
-                        "megatron",
-                        parent=produced[0],
-                        trained_on=[parent],
-                        handed_over=cfg.storage.link_uploads,
-                    )
+                full_state = upload_checkpoint(
+                    mdir,
+                    run.layout,
+                    iteration,
+                    "megatron",
+                    parent=produced[0],
+                    trained_on=[parent],
+                    handed_over=cfg.storage.link_uploads,
                 )
+                if last:  # before the run's end it is named by the next train stage, as a background save is
+                    produced.append(full_state)
             metrics["train/megatron_upload_seconds"] = time.perf_counter() - upload_started
         if earlier is not None:
             earlier.release()  # collective: its scratch folder goes once rank 0 uploaded it

@@ -235,7 +235,8 @@ class LaunchConfig(Section):
     eval: StageLaunch = StageLaunch()
     overlap_commits: bool = Field(
         True,
-        description="with in-process rollout, teacher and train stages and pipeline.max_staleness 0: the next "
+        description="with in-process rollout, teacher and train stages, the embedded rollout engine and "
+        "pipeline.max_staleness 0: the next "
         "iteration samples and scores from the trained weights in memory while this one's checkpoints are written "
         "and committed (the same bytes committed either way); false: each iteration starts once the previous one "
         "is committed",

@@ -165,6 +165,16 @@ def _committed_mtimes(run: Path) -> dict[Path, int]:
     return {p: p.stat().st_mtime_ns for p in run.rglob("rollout/*") if not p.name.startswith(".")}
 
 
+def _recorded(mlflow_db: Path, layout) -> dict[str, str]:
+    """The manifest digests the run's MLflow run records (empty before it exists)."""
+    from flows.cli.audit import recorded_digests
+
+    if not mlflow_db.exists():
+        return {}
+    found = recorded_digests(f"sqlite:///{mlflow_db}", "sdpo", layout.run_url)
+    return {} if found is None else found[1]
+
+
 def test_sigkill_after_rollout_then_restart_reuses_the_rollout_shards(tmp_path, prefect_server):
     from storage.layout import RunLayout
     from storage.manifest import read_iteration_manifest, read_latest, read_stage_manifest, stage_done
@@ -174,11 +184,20 @@ def test_sigkill_after_rollout_then_restart_reuses_the_rollout_shards(tmp_path, 
     env = dict(os.environ, PREFECT_API_URL=prefect_server, PYTHONUNBUFFERED="1")
     cmd = [sys.executable, "-m", "flows.cli", "run", str(config)]
     proc = subprocess.Popen(
-        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+        cmd,
+        cwd=REPO,
+        env={**env, "SDPO_PAUSE_AT": "stage.start:teacher@2"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
     )
     deadline = time.monotonic() + 240
+    rollout = layout.relative(layout.stage_manifest(2, "rollout"))
     try:
-        while not stage_done(layout, 2, "rollout"):
+        # killed from outside once the rollout is committed and recorded in the run's tracking record
+        # (one not recorded yet is computed again: tests/unit/test_storage_anchor.py), the teacher
+        # stage held at its start
+        while not (stage_done(layout, 2, "rollout") and rollout in _recorded(tmp_path / "mlflow.db", layout)):
             assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
             assert time.monotonic() < deadline, "iteration 2 rollout never committed"
             time.sleep(0.05)

@@ -50,7 +50,7 @@ def _record_weight_reads(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[str]
 
         return hashing
 
-    for module, name in ((objects, "sha256_local_file"), (cache, "sha256_local_file"), (objects, "_copy_hashing")):
+    for module, name in ((objects, "sha256_local_file"), (cache, "sha256_local_file"), (objects, "copy_hashing")):
         monkeypatch.setattr(module, name, recording_hash(getattr(module, name)))
     monkeypatch.setattr(ObjectStore, "get_to_local", recording_get)
     monkeypatch.setattr(train, "load_teacher_weights", recording_ema)

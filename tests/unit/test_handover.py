@@ -63,3 +63,31 @@ def test_nothing_is_offered_without_a_slot_and_a_slot_opens_once():
         handover.open_slot(URL, 6)
     with pytest.raises(KeyError, match="not a 'teacher' checkpoint"):
         handover.offer(URL, 6, {"policy": {}}).weights("teacher")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "overlapped"),
+    [
+        ([], True),
+        (
+            ["rollout.engine=sglang", "rollout.sglang.urls=[http://127.0.0.1:30000]"],
+            False,
+        ),  # its servers load folders: handed-over tensors cannot reach them
+        (["pipeline.max_staleness=1"], False),
+        (["launch.overlap_commits=false"], False),
+    ],
+)
+def test_commits_overlap_only_where_every_stage_can_take_weights_from_memory(overrides, overlapped):
+    from flows.overlap import overlap_enabled
+    from tasks.config import load_config
+
+    assert overlap_enabled(load_config(None, overrides)) is overlapped
+
+
+def test_an_sglang_engine_is_never_handed_tensors_it_would_ignore(tmp_path):
+    from tasks.config import load_config
+    from tasks.rollout import get_engine
+
+    cfg = load_config(None, ["rollout.engine=sglang", "rollout.sglang.urls=[http://127.0.0.1:30000]"])
+    with pytest.raises(ValueError, match="rollout.engine='sglang' loads checkpoints from folders"):
+        get_engine(cfg.rollout, tmp_path, cache_key="k", weights={"w": 1})
