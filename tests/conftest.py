@@ -38,6 +38,7 @@ LONGEST_FIRST = (
     "tests/integration/test_exact_resume.py",
     "tests/integration/test_test_time.py",
     "tests/integration/test_mlflow_ui_browser.py",
+    "tests/integration/test_smoke.py",  # the one long test of `make test-fast`
 )
 
 
