@@ -48,16 +48,15 @@ $(BROWSER_STAMP): $(STAMP)
 	fi
 	touch $(BROWSER_STAMP)
 
-# the suite in TEST_WORKERS processes (pytest-xdist), each test file's tests in one of them, in order;
-# the files in collection order, longest first (tests/conftest.py), not by how many tests they hold
+# the suite in TEST_WORKERS processes (pytest-xdist), each test file's tests in one of them, in order
 TEST_WORKERS ?= 2
 test: $(TEST_STAMP) $(BROWSER_STAMP)
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests -q -n $(TEST_WORKERS) --dist loadfile
 
 # the tier to run before each commit (CONTRIBUTING.md): the unit tests and one whole run of the
 # pipeline on the ephemeral Prefect server (tests/integration/test_smoke.py)
 test-fast: $(STAMP)
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests/unit tests/integration/test_smoke.py -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests/unit tests/integration/test_smoke.py -q -n $(TEST_WORKERS) --dist loadfile
 
 # ruff (lint and format) and mypy (strict on sdpo_core/ and storage/), as configured in pyproject.toml
 lint: $(STAMP)
