@@ -13,7 +13,9 @@ that the resumed run writes too, and the server keeps its memory and its databas
   the run lock released), with exit status 128 + the signal's number. A second one ends it at once.
 - `child_environment` / `watch_starter`: a stage process gets the identity of the process that
   launched it (`SDPO_STARTED_BY`). It checks once a second that this process, and its own parent
-  (torchrun's agent, for a rank), still run. When one is gone, it kills its process group.
+  (torchrun's agent, for a rank), still run. When one is gone, it kills its process group. A rank
+  whose parent is no longer torchrun's agent when it starts watching (the agent ended first, and the
+  rank was re-parented) ends at once.
 - `guard`: for a process that runs no code of ours (Prefect's server), a guard process
   (`python -m tasks.lifetime process TARGET`) waits for the process that started it to end, then
   stops TARGET: SIGTERM, then SIGKILL after `GRACE_S`.
@@ -41,6 +43,7 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 STARTED_BY_ENV = "SDPO_STARTED_BY"
+TORCHRUN_ENV = "TORCHELASTIC_RUN_ID"  # set by torchrun's agent in each rank's environment
 POLL_S = 1.0
 GRACE_S = 5.0
 _PROC = Path("/proc")
@@ -116,6 +119,11 @@ def watch_starter(*, poll_s: float = POLL_S) -> bool:
     starter = os.environ.get(STARTED_BY_ENV)
     if not starter:
         return False
+    if TORCHRUN_ENV in os.environ and not _is_torchrun(os.getppid()):
+        # a rank whose agent ended before this check was re-parented (to init or a subreaper): the
+        # parent it has now is not the one to watch, and the one it had is gone
+        logger.error("torchrun's agent ended before this rank began to watch it: ending this process and its group")
+        _end_own_group()
     watched = {"the process that launched this stage": starter, "this process's parent": identity(os.getppid())}
 
     def watch() -> None:
@@ -130,6 +138,18 @@ def watch_starter(*, poll_s: float = POLL_S) -> bool:
 
     threading.Thread(target=watch, name="sdpo-watch-starter", daemon=True).start()
     return True
+
+
+def _is_torchrun(pid: int) -> bool:
+    """Whether process `pid` is torchrun's agent (`python -m torch.distributed.run` or the `torchrun`
+    script); True where there is no /proc to tell."""
+    if not _PROC.is_dir():
+        return True
+    try:
+        argv = (_PROC / str(pid) / "cmdline").read_bytes().split(b"\0")
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return b"torch.distributed.run" in argv or any(Path(a.decode(errors="replace")).name == "torchrun" for a in argv)
 
 
 def _end_own_group() -> None:

@@ -43,12 +43,15 @@ pytestmark = pytest.mark.skipif(
 
 def _wait(driver, condition, what: str, timeout: float = 60.0):
     """Wait for `condition`; on a timeout, keep the page (tests/artifacts/mlflow-timeout.png) and say
-    where the browser was and what it showed."""
-    from selenium.common.exceptions import TimeoutException
+    where the browser was and what it showed. The single-page app re-renders while it loads, so an
+    element read mid-render (stale) is read again at the next poll rather than failing the test."""
+    from selenium.common.exceptions import StaleElementReferenceException, TimeoutException
     from selenium.webdriver.support.ui import WebDriverWait
 
     try:
-        return WebDriverWait(driver, timeout, poll_frequency=0.5).until(lambda d: condition(d), message=what)
+        return WebDriverWait(
+            driver, timeout, poll_frequency=0.5, ignored_exceptions=(StaleElementReferenceException,)
+        ).until(lambda d: condition(d), message=what)
     except TimeoutException:
         ARTIFACTS.mkdir(exist_ok=True)
         driver.save_screenshot(str(ARTIFACTS / "mlflow-timeout.png"))
@@ -56,6 +59,13 @@ def _wait(driver, condition, what: str, timeout: float = 60.0):
         raise AssertionError(
             f"{what}: not seen in {timeout:.0f}s at {driver.current_url}; the page shows:\n{shown}"
         ) from None
+
+
+def _type(field, text: str) -> bool:
+    """Replace what `field` holds with `text` (whole, so a retry after a re-render types it once)."""
+    field.clear()
+    field.send_keys(text)
+    return True
 
 
 def _keep(driver, tmp_path: Path, name: str) -> None:
@@ -185,19 +195,20 @@ def test_mlflow_ui_opens_every_link_on_the_training_view_after_the_runs_folder_m
         # the link in the fork's description opens its parent, in the training view too
         _fresh(driver, link)
         _wait(driver, lambda d: "Forked from" in body(d), "the fork's description")
-        parent_link = driver.find_element("link text", "ui-sdpo").get_attribute("href")
+        parent_link = _wait(
+            driver, lambda d: d.find_element("link text", "ui-sdpo").get_attribute("href"), "the parent's link"
+        )
         assert parent_link.startswith(f"{base}/#/experiments/{experiment}/runs/{ids['ui-sdpo']}"), parent_link
         _fresh(driver, parent_link)
         _training_view(driver, "the parent link of the fork's description")
 
         # the fork's line in the charts, named with what it changed, beside its parent's and the baseline's
         _fresh(driver, experiment_link + "&compareRunsMode=CHART")
-        search = _wait(
+        _wait(  # the one chart of the metric: a line for each of the three runs
             driver,
-            lambda d: d.find_elements("css selector", "input[placeholder='Search metric charts']"),
+            lambda d: _type(d.find_element("css selector", "input[placeholder='Search metric charts']"), METRIC),
             "the charts' search box",
-        )[0]
-        search.send_keys(METRIC)  # the one chart of the metric: a line for each of the three runs
+        )
         _wait(
             driver,
             lambda d: len(drawn(d)) >= 3 and "fork of ui-sdpo" in body(d),
@@ -209,7 +220,7 @@ def test_mlflow_ui_opens_every_link_on_the_training_view_after_the_runs_folder_m
         driver.get(f"{base}/#/compare-runs?runs={pair}&experiments={json.dumps([experiment])}")
         _wait(driver, lambda d: "Comparing 2 Runs" in body(d) and "ui-grpo" in body(d), "the comparison page")
         _wait(driver, lambda d: METRIC in body(d), f"{METRIC} on the comparison page")
-        assert "ui-sdpo" in body(driver)
+        _wait(driver, lambda d: "ui-sdpo" in body(d), "the other run on the comparison page")
         _keep(driver, tmp_path, "mlflow-compare.png")
 
         keys = quote(json.dumps([METRIC]))

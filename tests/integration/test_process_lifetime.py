@@ -143,6 +143,40 @@ def test_the_ranks_of_a_torchrun_stage_end_when_torchrun_is_killed(tmp_path):
     assert _left_running(below, within_s=20) == []
 
 
+_RANK = (
+    "import sys, time; from tasks.lifetime import watch_starter; "
+    "assert watch_starter(poll_s=0.2); print('watching', flush=True); time.sleep(30)"
+)
+
+
+def _rank_under(agent_argv: list[str]) -> subprocess.Popen:
+    """A stand-in rank (watch_starter, then sleep) as the child of a parent started with `agent_argv`
+    + a script that starts the rank and waits for it; the parent's stdout is the rank's."""
+    from tasks.lifetime import child_environment
+
+    env = {**os.environ, **child_environment(), "TORCHELASTIC_RUN_ID": "lifetime-test"}
+    # the parent exits with the signal that ended the rank (9 for SIGKILL), or 100 + its exit status
+    spawn = f"import subprocess, sys; rc = subprocess.call([sys.executable, '-c', {_RANK!r}]); sys.exit(-rc if rc < 0 else 100 + rc)"
+    return subprocess.Popen(
+        [sys.executable, "-c", spawn, *agent_argv], env=env, cwd=Path(__file__).parents[2], stdout=subprocess.PIPE
+    )
+
+
+def test_a_rank_whose_torchrun_agent_ended_before_it_watched_ends_at_once():
+    """A rank re-parented before its watch began (its agent killed while it imported) has a parent
+    that is not torchrun's: it ends at once, rather than watch its new parent and never end."""
+    not_an_agent = _rank_under([])  # the rank's parent is a plain python process
+    assert not_an_agent.wait(timeout=60) == signal.SIGKILL
+    assert b"watching" not in not_an_agent.stdout.read()
+    # the control: under a parent that is torchrun's agent, the rank watches and sleeps on
+    agent = _rank_under(["torch.distributed.run"])
+    assert agent.stdout.readline() == b"watching\n"
+    time.sleep(1.0)
+    assert agent.poll() is None
+    agent.kill()  # its agent gone: the rank sees it within a poll and ends
+    agent.wait()
+
+
 @pytest.fixture(autouse=True)
 def _nothing_left(tmp_path):
     """Whatever a failing test leaves is killed, so it does not outlive the test session."""

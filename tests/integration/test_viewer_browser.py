@@ -90,9 +90,13 @@ def browser():
 
 
 def _wait(driver, condition, what: str, timeout: float = 20.0):
+    """Wait for `condition`; an element replaced while it was read (stale) is read again at the next poll."""
+    from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.support.ui import WebDriverWait
 
-    return WebDriverWait(driver, timeout).until(lambda d: condition(d), message=what)
+    return WebDriverWait(driver, timeout, ignored_exceptions=(StaleElementReferenceException,)).until(
+        lambda d: condition(d), message=what
+    )
 
 
 def test_sort_open_a_sample_and_see_credit_and_teacher_context(server, browser, tmp_path):
