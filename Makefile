@@ -48,10 +48,11 @@ $(BROWSER_STAMP): $(STAMP)
 	fi
 	touch $(BROWSER_STAMP)
 
-# the suite in TEST_WORKERS processes (pytest-xdist), each test file's tests in one of them, in order
+# the suite in TEST_WORKERS processes (pytest-xdist), each test file's tests in one of them, in order;
+# the slowest tests are listed after the summary (where the suite's time goes: CONTRIBUTING.md)
 TEST_WORKERS ?= 2
 test: $(TEST_STAMP) $(BROWSER_STAMP)
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests -q -n $(TEST_WORKERS) --dist loadfile
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests -q -n $(TEST_WORKERS) --dist loadfile --durations=60 --durations-min=15
 
 # the tier to run before each commit (CONTRIBUTING.md): the unit tests and one whole run of the
 # pipeline on the ephemeral Prefect server (tests/integration/test_smoke.py)
