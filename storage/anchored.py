@@ -24,6 +24,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from storage.adopt import adopt_latest
+from storage.checkpoints import checkpoints_named
 from storage.departures import RUN_JSON, departures, iteration_of
 from storage.errors import DamagedOutputError
 from storage.hashing import sha256_bytes
@@ -97,8 +98,8 @@ def _written_by_the_commit(layout: RunLayout, manifest: Manifest, recorded: Mapp
         return False
     if previous is None and any(path.endswith("/_manifest.json") and path.count("/") == 1 for path in recorded):
         return False  # only the run's first commit names no previous iteration
-    train = read_manifest(layout, layout.url(stages["train"]["path"])).data
-    if any(ref not in train.get("parents", []) for ref in data.get("checkpoints", {}).values()):
+    named = checkpoints_named(layout, read_manifest(layout, layout.url(stages["train"]["path"])), n)
+    if any(named.get(kind) != ref for kind, ref in data.get("checkpoints", {}).items()):
         return False
     metrics: dict[str, Any] = {}
     for ref in stages.values():

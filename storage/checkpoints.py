@@ -239,14 +239,22 @@ def lineage(layout: RunLayout) -> list[LineageRecord]:
     return records
 
 
+def checkpoints_named(layout: RunLayout, train: Manifest, n: int) -> dict[str, dict[str, str]]:
+    """kind -> reference, for each checkpoint of iteration n that the train stage manifest `train`
+    names among its parents. A train stage names the checkpoints it saved itself, and a full state
+    saved in the background by the previous one (which uploads it but cannot name it in time); an
+    iteration commits exactly the checkpoints its train stage names."""
+    parents = {ref.get("path"): dict(ref) for ref in train.data["parents"]}
+    paths = {kind: layout.relative(layout.checkpoint_manifest(n, kind)) for kind in CHECKPOINT_KINDS}
+    return {kind: parents[path] for kind, path in paths.items() if path in parents}
+
+
 def _full_state_named_later(layout: RunLayout, n: int) -> dict[str, str] | None:
-    """The reference to iteration n's full state that iteration n+1 committed: a full state saved in
-    the background is uploaded, and named among its parents, by the next train stage."""
+    """The reference to iteration n's full state that iteration n+1 committed (see `checkpoints_named`)."""
     if not iteration_committed(layout, n + 1):
         return None
-    path = layout.relative(layout.checkpoint_manifest(n, "megatron"))
     train = read_manifest(layout, layout.stage_manifest(n + 1, "train"))
-    return next((dict(ref) for ref in train.data["parents"] if ref.get("path") == path), None)
+    return checkpoints_named(layout, train, n).get("megatron")
 
 
 def _size(n: int) -> str:

@@ -27,8 +27,7 @@ def run_commit(root: str, run_name: str, iteration: int, handed: Mapping[str, st
     manifest left by a killed commit, with everything it names.
     """
     from storage.adopt import adopt_commit_inputs, adopt_iteration_manifest
-    from storage.checkpoints import checkpoint_exists
-    from storage.layout import CHECKPOINT_KINDS
+    from storage.checkpoints import checkpoint_exists, checkpoints_named
     from storage.manifest import commit_iteration, iteration_committed, read_latest, read_stage_manifest
     from tasks.runtime import open_run
 
@@ -38,13 +37,10 @@ def run_commit(root: str, run_name: str, iteration: int, handed: Mapping[str, st
             adopt_iteration_manifest(run.layout, iteration)
         return commit_iteration(run.layout, iteration, metrics={})
     stages = adopt_commit_inputs(run.layout, iteration, stages=STAGES, handed=handed)
-    # the checkpoints of this iteration its train stage names: a full state saved before the run's
-    # end is named by the next train stage, whichever process saved it (tasks/train.py)
-    named = {ref["path"] for ref in read_stage_manifest(run.layout, iteration, "train").data["parents"]}
+    train = read_stage_manifest(run.layout, iteration, "train")
     kinds = [
         kind
-        for kind in CHECKPOINT_KINDS
-        if run.layout.relative(run.layout.checkpoint_manifest(iteration, kind)) in named
-        and checkpoint_exists(run.layout, iteration, kind)
+        for kind in checkpoints_named(run.layout, train, iteration)
+        if checkpoint_exists(run.layout, iteration, kind)
     ]
     return commit_iteration(run.layout, iteration, metrics=iteration_metrics(stages), checkpoints=kinds)
