@@ -96,7 +96,7 @@ def main() -> None:
     parser.add_argument("--target", type=float, required=True, help="greedy accuracy the wall-clock is measured to")
     parser.add_argument("--iterations", type=int, default=None)
     parser.add_argument("overrides", nargs="*")
-    args = parser.parse_args()
+    args = parser.parse_intermixed_args()  # KEY=VALUE overrides after the options too
     import yaml
 
     base = yaml.safe_load(args.config.read_text())["name"]
