@@ -9,6 +9,8 @@ by their wall-clock fields (docs/reliability.md), so their own digests are not p
 from __future__ import annotations
 
 import json
+import subprocess
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +50,22 @@ def forget_process_state() -> None:
     scoring_models.forget()
     kept_weights.forget()
     tokenizers.forget()
+
+
+def sdpo_here(args: Sequence[str], env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`sdpo ARGS` inside this process (under `env`, as a process of its own would have it), for a
+    command that only reads the store (`sdpo verify`): a process of its own would add its imports,
+    not a check. An exception other than the command's exit is raised."""
+    from typer.testing import CliRunner
+
+    from flows.cli import app
+
+    # the fault and key settings a test sets for its child processes are not this command's
+    unset = {k: None for k in ("SDPO_SIGNING_KEY", "SDPO_CRASH_AT") if env is None or k not in env}
+    done = CliRunner().invoke(app, list(args), env={**(env or {}), **unset})
+    if done.exception is not None and not isinstance(done.exception, SystemExit):
+        raise done.exception
+    return subprocess.CompletedProcess(["sdpo", *args], done.exit_code, done.stdout, done.stderr)
 
 
 def write_config(tmp_path: Path, name: str, root: str | None = None, *, base: dict | None = None, **sections) -> Path:

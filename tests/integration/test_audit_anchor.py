@@ -22,7 +22,7 @@ from typing import Any
 
 from storage.hashing import sha256_bytes
 from storage.manifest import content_digest
-from tests.integration.runs import write_config
+from tests.integration.runs import sdpo_here, write_config
 from tests.integration.test_crash_resume import sdpo
 
 REPO = Path(__file__).resolve().parents[2]
@@ -111,17 +111,7 @@ EDITS: dict[str, tuple[str, Callable[[Any], None]]] = {
 
 
 def verify(layout: Any, env: dict[str, str]) -> subprocess.CompletedProcess:
-    """`sdpo verify` of the run, in this process under `env` (it reads the store only: a process of
-    its own would add its imports, not a check)."""
-    from typer.testing import CliRunner
-
-    from flows.cli import app
-
-    unset = {k: None for k in ("SDPO_SIGNING_KEY", "SDPO_CRASH_AT") if k not in env}  # None: removed while it runs
-    done = CliRunner().invoke(app, ["verify", NAME, "--root", layout.root_url], env={**env, **unset})
-    if done.exception is not None and not isinstance(done.exception, SystemExit):
-        raise done.exception
-    return subprocess.CompletedProcess(["sdpo", "verify"], done.exit_code, done.stdout, done.stderr)
+    return sdpo_here(["verify", NAME, "--root", layout.root_url], env)
 
 
 def attempt(layout: Any, config: Path, env: dict[str, str], edit: str) -> None:

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from storage.faults import CRASH_POINTS, TEST_TIME_CRASH_POINTS
-from tests.integration.runs import TINY, differences, fingerprint, write_config
+from tests.integration.runs import TINY, differences, fingerprint, sdpo_here, write_config
 
 REPO = Path(__file__).resolve().parents[2]
 ITERATIONS = 3
@@ -147,17 +147,12 @@ def reference(reference_run: tuple[dict, Path]) -> dict:
 
 def assert_compares_identical(root: Path, reference_root: Path) -> None:
     """`sdpo verify --compare` both ways between the run under `root` and the uninterrupted one: exit 0,
-    "identical" (the same files but for their wall-clock fields); how each run went is only a note.
-    In this process (the command reads the store only): a process of its own would add its imports."""
-    from typer.testing import CliRunner
-
-    from flows.cli import app
-
+    "identical" (the same files but for their wall-clock fields); how each run went is only a note."""
     for here, there in ((root, reference_root), (reference_root, root)):
         args = ["verify", NAME, "--root", str(here), "--compare", NAME, "--compare-root", str(there)]
-        compared = CliRunner().invoke(app, args)
-        assert compared.exit_code == 0, compared.output[-6000:]
-        assert f"OK: the same files as {NAME}" in compared.output
+        compared = sdpo_here(args)
+        assert compared.returncode == 0, compared.stdout[-3000:] + compared.stderr[-3000:]
+        assert f"OK: the same files as {NAME}" in compared.stdout
 
 
 @pytest.mark.parametrize("chain", list(CHAINS), ids=list(CHAINS))
